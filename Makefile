@@ -1,0 +1,31 @@
+# Single entry point. `make test` and `make demo` build the virtual environment from nothing.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+EXTRAS ?= hf,cpu,cuda,serve,bench,dev
+STAMP  := $(VENV)/.installed
+
+.PHONY: test demo bench venv clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --upgrade pip setuptools wheel
+	# torch first and pinned: the CPU build of this exact release lies on the build machines.
+	$(PIP) install "torch==2.13.0"
+	$(PIP) install -e ".[$(EXTRAS)]"
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+demo: $(STAMP)
+	$(PY) -m kvpage demo
+
+bench: $(STAMP)
+	$(PY) -m pytest benchmarks/ --benchmark-only -q
+
+clean:
+	rm -rf $(VENV) build *.egg-info

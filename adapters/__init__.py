@@ -1,0 +1,1 @@
+"""Framework adapters (import name ``kvpage.adapters``): Hugging Face transformers."""

@@ -1,0 +1,19 @@
+"""Paged attention operations: one contract, several backends.
+
+Every backend implements the same two operations over paged KV buffers shaped
+``[num_blocks, block_size, num_kv_heads, head_dim]`` (one buffer for K, one for V):
+
+* ``write_kv(key_cache, value_cache, k, v, slot_mapping)``: scatter the step's new
+  K/V rows (``[T, num_kv_heads, head_dim]``) into flat slots
+  (``slot = block_id * block_size + offset``).
+* ``paged_attention(q, key_cache, value_cache, query_start_loc, seq_lens, block_tables,
+  scaling, sliding_window=None, softcap=None, sinks=None)``: ``q`` is ``[T, num_heads,
+  head_dim]`` (a ragged batch flattened by ``query_start_loc``); sequence ``i``'s queries
+  are its last ``q_len`` positions of a context of ``seq_lens[i]`` tokens and attend
+  causally to the whole context. Returns ``[T, num_heads, head_dim]`` in ``q``'s dtype.
+
+``reference`` is the plain implementation all others are tested against.
+"""
+from .reference import paged_attention_reference, write_kv_reference
+
+__all__ = ["paged_attention_reference", "write_kv_reference"]

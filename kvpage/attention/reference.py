@@ -1,0 +1,83 @@
+"""Plain numpy paged attention: slow, obvious, and the oracle for every other backend.
+
+Semantics shared by all backends (positions are absolute within a sequence):
+  * query at position p attends to key positions j with j <= p;
+  * with ``sliding_window`` W, also j > p - W (the window includes the query itself,
+    as in transformers' masks);
+  * scores are ``q . k * scaling``; with ``softcap`` c they become ``c * tanh(score / c)``;
+  * with ``sinks`` (one logit per query head) the softmax denominator gains
+    ``exp(sink)``, and the sink contributes no value (gpt-oss);
+  * query head h reads KV head ``h // (num_heads // num_kv_heads)`` (GQA/MQA).
+Accumulation is in float32; the output has ``q``'s dtype.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+
+def write_kv_reference(key_cache: np.ndarray, value_cache: np.ndarray, k: np.ndarray, v: np.ndarray,
+                       slot_mapping: np.ndarray) -> None:
+    """Scatter ``k``/``v`` ``[T, H_kv, D]`` into the caches at ``slot_mapping`` ``[T]``."""
+    num_blocks, block_size = key_cache.shape[:2]
+    slots = np.asarray(slot_mapping, dtype=np.int64)
+    key_cache.reshape(num_blocks * block_size, *key_cache.shape[2:])[slots] = k
+    value_cache.reshape(num_blocks * block_size, *value_cache.shape[2:])[slots] = v
+
+
+def gather_context(cache: np.ndarray, block_table: np.ndarray, seq_len: int) -> np.ndarray:
+    """The first ``seq_len`` token rows of one sequence, ``[seq_len, H_kv, D]``."""
+    block_size = cache.shape[1]
+    num_blocks = -(-seq_len // block_size)
+    rows = cache[np.asarray(block_table[:num_blocks], dtype=np.int64)]
+    return rows.reshape(num_blocks * block_size, *cache.shape[2:])[:seq_len]
+
+
+def paged_attention_reference(
+    q: np.ndarray,
+    key_cache: np.ndarray,
+    value_cache: np.ndarray,
+    query_start_loc: np.ndarray,
+    seq_lens: np.ndarray,
+    block_tables: np.ndarray,
+    scaling: float,
+    sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    sinks: Optional[np.ndarray] = None,
+) -> np.ndarray:
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = key_cache.shape[2]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    group = num_heads // num_kv_heads
+    out = np.zeros((num_tokens, num_heads, head_dim), dtype=np.float32)
+    qsl = np.asarray(query_start_loc, dtype=np.int64)
+    for i, seq_len in enumerate(np.asarray(seq_lens, dtype=np.int64).tolist()):
+        start, end = int(qsl[i]), int(qsl[i + 1])
+        if end == start:
+            continue
+        keys = gather_context(key_cache, block_tables[i], seq_len).astype(np.float32)
+        values = gather_context(value_cache, block_tables[i], seq_len).astype(np.float32)
+        keys = np.repeat(keys, group, axis=1)  # [S, H, D]
+        values = np.repeat(values, group, axis=1)
+        queries = q[start:end].astype(np.float32)  # [Q, H, D]
+        scores = np.einsum("qhd,shd->hqs", queries, keys) * np.float32(scaling)
+        if softcap:
+            scores = np.float32(softcap) * np.tanh(scores / np.float32(softcap))
+        q_pos = np.arange(seq_len - (end - start), seq_len)[:, None]
+        k_pos = np.arange(seq_len)[None, :]
+        allowed = k_pos <= q_pos
+        if sliding_window:
+            allowed &= k_pos > q_pos - sliding_window
+        scores = np.where(allowed[None], scores, -np.inf)
+        row_max = scores.max(axis=-1, keepdims=True)
+        if sinks is not None:
+            sink = np.asarray(sinks, dtype=np.float32).reshape(num_heads, 1, 1)
+            row_max = np.maximum(row_max, sink)
+        weights = np.exp(scores - row_max)
+        denom = weights.sum(axis=-1, keepdims=True)
+        if sinks is not None:
+            denom = denom + np.exp(sink - row_max)
+        out[start:end] = np.einsum("hqs,shd->qhd", weights / denom, values)
+    return out.astype(q.dtype)

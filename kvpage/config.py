@@ -1,0 +1,89 @@
+"""Validated configuration for the KV cache and the scheduler.
+
+Every bad value raises ``ValueError`` naming the field, at construction time, so a
+misconfigured engine never starts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+def _require_positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """Shape of the paged KV cache.
+
+    Attributes:
+        block_size: tokens per KV block; a power of two.
+        num_blocks: total KV blocks in the pool.
+        enable_prefix_caching: keep full blocks in the radix prefix cache after use.
+    """
+
+    block_size: int = 16
+    num_blocks: int = 1024
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _require_positive_int("block_size", self.block_size)
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        _require_positive_int("num_blocks", self.num_blocks)
+
+    @property
+    def num_token_slots(self) -> int:
+        """Total token capacity of the pool (tokens)."""
+        return self.block_size * self.num_blocks
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Limits of one iteration-level scheduling step.
+
+    Attributes:
+        max_num_seqs: most sequences in one step (the batch size cap).
+        max_num_batched_tokens: token budget of one step (new tokens across all sequences).
+        max_model_len: longest sequence (prompt + output, tokens) any request may reach.
+        enable_chunked_prefill: split long prompts into chunks that share steps with decodes.
+            Without it a prompt runs whole in one step, so it must fit the token budget.
+        policy: ``"fcfs"`` (arrival order) or ``"priority"`` (lower value first, then arrival).
+        max_waiting: most requests that may wait for admission; ``None`` means unbounded.
+        max_preemptions_before_pin: after this many preemptions a request is pinned: it is
+            never chosen as a preemption victim again, which guards against recompute thrash.
+    """
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+    policy: str = "fcfs"
+    max_waiting: Optional[int] = None
+    max_preemptions_before_pin: int = 3
+
+    def __post_init__(self) -> None:
+        _require_positive_int("max_num_seqs", self.max_num_seqs)
+        _require_positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        _require_positive_int("max_model_len", self.max_model_len)
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        if self.max_waiting is not None:
+            _require_positive_int("max_waiting", self.max_waiting)
+        _require_positive_int("max_preemptions_before_pin", self.max_preemptions_before_pin)
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                "max_num_batched_tokens must be >= max_model_len when enable_chunked_prefill is "
+                f"off (got {self.max_num_batched_tokens} < {self.max_model_len}): a prompt must "
+                "fit one step whole"
+            )
+
+    def check_against(self, cache: CacheConfig) -> None:
+        """Raise ``ValueError`` if this scheduler cannot make progress with ``cache``."""
+        if self.max_num_batched_tokens < cache.block_size and not self.enable_chunked_prefill:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) is below one block "
+                f"({cache.block_size} tokens) with chunked prefill off"
+            )

@@ -1,0 +1,143 @@
+"""Per-request block tables: which blocks a request holds, and when it needs more.
+
+Block regions of one request, in tokens (``bs`` = block_size)::
+
+    |<- cached (prefix hit) ->|<- computed ->|<- new this step ->|<- free slots ->|
+    0                  num_cached    num_computed        num_computed + n    len(block_ids) * bs
+
+Blocks are appended as tokens need slots; full blocks never change again, so only the
+block receiving new tokens can be shared *and* written, which is where copy-on-write
+applies.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from .block_pool import BlockPool
+from .radix_cache import PrefixMatch, RadixCache
+from .request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Owns the mapping request -> blocks over one ``BlockPool`` and optional ``RadixCache``."""
+
+    def __init__(self, pool: BlockPool, prefix_cache: Optional[RadixCache] = None) -> None:
+        self.pool = pool
+        self.prefix_cache = prefix_cache
+        self.block_size = pool.block_size
+        self._pending_copies: list[tuple[int, int]] = []
+
+    # ------------------------------------------------------------------ admission
+    def match_prefix(self, request: Request) -> PrefixMatch:
+        """Cached blocks the request may reuse; at least one token is always left to compute.
+
+        Does not lock the blocks: pass the match to ``allocate_slots`` in the same step.
+        """
+        if self.prefix_cache is None:
+            return PrefixMatch((), 0)
+        # The last token must run through the model to produce logits, so a prompt whose
+        # every block is cached gives back its last block.
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        return self.prefix_cache.match_prefix(
+            request.all_token_ids, request.namespace, max_blocks=max_blocks, record=False
+        )
+
+    def num_blocks_needed(self, request: Request, num_new_tokens: int, num_hit_blocks: int = 0) -> int:
+        """Fresh blocks ``allocate_slots`` would take (including a copy-on-write copy)."""
+        held = max(len(request.block_ids), num_hit_blocks)
+        computed = max(request.num_computed_tokens, num_hit_blocks * self.block_size)
+        needed = cdiv(computed + num_new_tokens, self.block_size) - held
+        return max(needed, 0) + int(self._needs_copy(request, num_new_tokens))
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, hit: Optional[PrefixMatch] = None) -> bool:
+        """Reserve KV slots for ``num_new_tokens`` more tokens of ``request``.
+
+        With ``hit`` (only for a request holding no blocks) the cached blocks are locked
+        first and the request's computed tokens jump to the end of the hit.
+        Returns False, changing nothing, when the pool cannot supply the blocks.
+        """
+        hit_blocks = hit.block_ids if hit is not None else ()
+        if hit_blocks and request.block_ids:
+            raise ValueError(f"request {request.request_id!r} already holds blocks; a prefix hit applies only at admission")
+        # Locking an idle cached block takes it out of the free count just like a fresh one.
+        idle_hits = sum(1 for b in hit_blocks if self.pool.ref_count(b) == 0)
+        needed = self.num_blocks_needed(request, num_new_tokens, len(hit_blocks)) + idle_hits
+        if not self.pool.can_allocate(needed):
+            return False
+        if hit_blocks:
+            self.pool.incref(hit_blocks)  # lock before any allocation can evict them
+            request.block_ids.extend(hit_blocks)
+            request.num_computed_tokens = request.num_cached_tokens = hit.num_tokens
+            request.num_inserted_blocks = len(hit_blocks)
+        if self._needs_copy(request, num_new_tokens):
+            self._copy_on_write(request)
+        end = request.num_computed_tokens + num_new_tokens
+        missing = cdiv(end, self.block_size) - len(request.block_ids)
+        if missing > 0:
+            request.block_ids.extend(self.pool.allocate(missing))
+        self._update_fill(request, request.num_computed_tokens, end)
+        return True
+
+    def _needs_copy(self, request: Request, num_new_tokens: int) -> bool:
+        """True when the new tokens land in a partially filled block someone else also holds."""
+        offset = request.num_computed_tokens % self.block_size
+        if num_new_tokens <= 0 or offset == 0 or not request.block_ids:
+            return False
+        target = request.block_ids[request.num_computed_tokens // self.block_size]
+        return self.pool.ref_count(target) > 1
+
+    def _copy_on_write(self, request: Request) -> None:
+        index = request.num_computed_tokens // self.block_size
+        shared = request.block_ids[index]
+        (private,) = self.pool.allocate(1)
+        self.pool.set_fill(private, self.pool.fill(shared))
+        self.pool.free([shared])
+        request.block_ids[index] = private
+        self._pending_copies.append((shared, private))
+
+    def _update_fill(self, request: Request, start: int, end: int) -> None:
+        bs = self.block_size
+        for index in range(start // bs, cdiv(end, bs)):
+            block = request.block_ids[index]
+            filled = min(end - index * bs, bs)
+            if filled > self.pool.fill(block):
+                self.pool.set_fill(block, filled)
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        """(src, dst) block copies the runner must perform before this step's KV writes."""
+        copies, self._pending_copies = self._pending_copies, []
+        return copies
+
+    # ------------------------------------------------------------------ after a step
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Offer the request's newly completed full blocks to the prefix cache."""
+        if self.prefix_cache is None:
+            return
+        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
+        if num_full <= request.num_inserted_blocks:
+            return
+        self.prefix_cache.insert(request.all_token_ids, request.block_ids[:num_full], request.namespace)
+        request.num_inserted_blocks = num_full
+
+    # ------------------------------------------------------------------ release
+    def free(self, request: Request) -> None:
+        """Drop all the request's blocks, tail first, and reset its KV progress."""
+        if request.block_ids:
+            self.pool.free(request.block_ids[::-1])
+        request.block_ids = []
+        request.num_computed_tokens = 0
+        request.num_inserted_blocks = 0
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Share all of ``parent``'s blocks with ``child`` (which must hold none)."""
+        if child.block_ids:
+            raise ValueError(f"fork target {child.request_id!r} already holds blocks")
+        self.pool.incref(parent.block_ids)
+        child.block_ids = list(parent.block_ids)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_cached_tokens = parent.num_cached_tokens
+        child.num_inserted_blocks = parent.num_inserted_blocks

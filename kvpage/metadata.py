@@ -1,0 +1,146 @@
+"""The per-step metadata object: everything a model runner needs for one forward pass.
+
+The scheduler emits one ``StepMetadata`` per step. Sequences are ordered decodes first
+(query length 1), then prefills and prefill chunks, and all tokens of the step are
+flattened into one ragged batch of ``num_tokens`` rows::
+
+    rows:  | seq 0 | seq 1 | ... | seq B-1 |
+           ^query_start_loc[0]=0         ^query_start_loc[B]=num_tokens
+
+For sequence ``i`` the new tokens sit at positions
+``[num_computed_tokens[i], seq_lens[i])`` and attend causally to positions ``[0, seq_lens[i])``.
+Built with numpy: no Python loop runs per token.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from .request import Request
+
+
+@dataclass(slots=True)
+class StepMetadata:
+    """Flat arrays for one step. Shapes: T = num_tokens, B = num_seqs, S = rows sampled.
+
+    Attributes:
+        input_ids: int64 [T] token ids to feed.
+        positions: int64 [T] absolute position of each token in its sequence.
+        slot_mapping: int64 [T] flat KV slot (``block_id * block_size + offset``) each
+            token's K/V is written to.
+        query_start_loc: int32 [B + 1] cumulative query lengths (cu_seqlens_q).
+        seq_lens: int32 [B] context length of each sequence after this step (tokens).
+        num_computed_tokens: int32 [B] context already in the cache before this step.
+        block_tables: int32 [B, max_blocks] block ids per sequence; entries past
+            ``ceil(seq_lens[i] / block_size)`` are padding (0) and must not be read.
+        logits_indices: int64 [S] rows of the flat batch whose logits are sampled (the last
+            row of every sequence that reaches its end this step).
+        sample_seq_indices: int64 [S] the sequence each sampled row belongs to.
+        block_copies: int64 [K, 2] (src, dst) block copies (copy-on-write) to perform
+            before this step's KV writes.
+        block_size: tokens per block.
+        num_decodes: the first ``num_decodes`` sequences have query length 1.
+        request_ids: [B] request id of each sequence.
+    """
+
+    input_ids: np.ndarray
+    positions: np.ndarray
+    slot_mapping: np.ndarray
+    query_start_loc: np.ndarray
+    seq_lens: np.ndarray
+    num_computed_tokens: np.ndarray
+    block_tables: np.ndarray
+    logits_indices: np.ndarray
+    sample_seq_indices: np.ndarray
+    block_copies: np.ndarray
+    block_size: int
+    num_decodes: int
+    request_ids: list = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    @property
+    def query_lens(self) -> np.ndarray:
+        return np.diff(self.query_start_loc)
+
+    @property
+    def max_query_len(self) -> int:
+        return int(self.query_lens.max()) if self.num_seqs else 0
+
+    @property
+    def max_seq_len(self) -> int:
+        return int(self.seq_lens.max()) if self.num_seqs else 0
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return self.num_decodes
+
+
+def build_step_metadata(
+    requests: Sequence[Request],
+    num_new_tokens: Sequence[int],
+    block_size: int,
+    block_copies: Sequence[tuple[int, int]] = (),
+) -> StepMetadata:
+    """Flatten the scheduled ``requests`` (each feeding ``num_new_tokens[i]`` tokens).
+
+    ``requests[i].num_computed_tokens`` must still be the value *before* this step, and
+    its block table must already cover ``num_computed_tokens + num_new_tokens[i]`` slots.
+    """
+    num_seqs = len(requests)
+    query_lens = np.asarray(num_new_tokens, dtype=np.int64).reshape(num_seqs)
+    computed = np.fromiter((r.num_computed_tokens for r in requests), dtype=np.int64, count=num_seqs)
+    seq_lens = computed + query_lens
+    query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
+    np.cumsum(query_lens, out=query_start_loc[1:])
+    num_tokens = int(query_start_loc[-1])
+
+    # Tokens: one slice per sequence (decodes are a single int), joined in C.
+    input_ids = np.fromiter(
+        itertools.chain.from_iterable(
+            r.all_token_ids[c : c + n] for r, c, n in zip(requests, computed.tolist(), query_lens.tolist())
+        ),
+        dtype=np.int64,
+        count=num_tokens,
+    )
+
+    # Padded block table: per-block work only (never per token).
+    blocks_per_seq = np.fromiter((len(r.block_ids) for r in requests), dtype=np.int64, count=num_seqs)
+    max_blocks = int(blocks_per_seq.max()) if num_seqs else 0
+    block_tables = np.zeros((num_seqs, max_blocks), dtype=np.int32)
+    flat_blocks = np.fromiter(
+        itertools.chain.from_iterable(r.block_ids for r in requests), dtype=np.int32, count=int(blocks_per_seq.sum())
+    )
+    block_tables[np.arange(max_blocks) < blocks_per_seq[:, None]] = flat_blocks
+
+    seq_of_token = np.repeat(np.arange(num_seqs), query_lens)
+    positions = np.arange(num_tokens, dtype=np.int64) - query_start_loc[seq_of_token] + computed[seq_of_token]
+    slot_mapping = block_tables[seq_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
+
+    total = np.fromiter((r.num_tokens for r in requests), dtype=np.int64, count=num_seqs)
+    samples = np.flatnonzero(seq_lens == total)
+    copies = np.asarray(block_copies, dtype=np.int64).reshape(-1, 2)
+    return StepMetadata(
+        input_ids=input_ids,
+        positions=positions,
+        slot_mapping=slot_mapping,
+        query_start_loc=query_start_loc.astype(np.int32),
+        seq_lens=seq_lens.astype(np.int32),
+        num_computed_tokens=computed.astype(np.int32),
+        block_tables=block_tables,
+        logits_indices=query_start_loc[samples + 1] - 1,
+        sample_seq_indices=samples,
+        block_copies=copies,
+        block_size=block_size,
+        num_decodes=int(np.count_nonzero(query_lens == 1)),
+        request_ids=[r.request_id for r in requests],
+    )

@@ -1,0 +1,209 @@
+"""A radix tree of cached KV blocks, keyed by the token ids each block holds.
+
+Each node stands for one *full* block: its key is the tuple of ``block_size`` token
+ids in that block, its path from the root is the whole prefix before it. Nodes under
+different namespaces (a cache salt, an adapter id) never meet: each namespace has its
+own root.
+
+Contract with users of ``match_prefix``:
+  * the returned blocks must be locked (``BlockPool.incref``) before the pool is asked
+    for any other block, since an allocation may evict idle cached blocks;
+  * a locked block (ref_count > 0) is never evicted;
+  * ``insert`` only takes blocks whose KV has been fully written.
+
+Eviction is LRU over idle leaves: a min-heap of (last access, node) with lazy
+invalidation, so one eviction costs O(log n) rather than a rescan of all leaves.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass
+from typing import Hashable, Optional, Sequence
+
+from .block_pool import BlockPool
+
+BlockKey = tuple  # the block_size token ids of one full block
+
+
+class _Node:
+    __slots__ = ("key", "block_id", "parent", "children", "last_access")
+
+    def __init__(self, key: Optional[BlockKey], block_id: Optional[int], parent: Optional["_Node"]) -> None:
+        self.key = key
+        self.block_id = block_id
+        self.parent = parent
+        self.children: dict[BlockKey, _Node] = {}
+        self.last_access = 0
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    """Cached full blocks covering the first ``num_tokens`` tokens of a query."""
+
+    block_ids: tuple[int, ...]
+    num_tokens: int
+
+
+class RadixCache:
+    """Block-granular prefix cache over a ``BlockPool`` (it becomes the pool's evictor)."""
+
+    def __init__(self, pool: BlockPool) -> None:
+        self.pool = pool
+        self.block_size = pool.block_size
+        self._roots: dict[Hashable, _Node] = {}
+        self._node_of_block: dict[int, _Node] = {}
+        self._clock = itertools.count(1)
+        self._heap: list[tuple[int, int, _Node]] = []
+        self._tiebreak = itertools.count()
+        self.num_queried_tokens = 0
+        self.num_hit_tokens = 0
+        self.num_evicted_blocks = 0
+        pool.set_evictor(self)
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._node_of_block)
+
+    @property
+    def hit_rate(self) -> float:
+        return 0.0 if self.num_queried_tokens == 0 else self.num_hit_tokens / self.num_queried_tokens
+
+    def _block_keys(self, tokens: Sequence[int], num_blocks: int) -> list[BlockKey]:
+        bs = self.block_size
+        return [tuple(tokens[i * bs : (i + 1) * bs]) for i in range(num_blocks)]
+
+    def match_prefix(
+        self,
+        tokens: Sequence[int],
+        namespace: Hashable = None,
+        max_blocks: Optional[int] = None,
+        record: bool = True,
+    ) -> PrefixMatch:
+        """Longest run of cached full blocks that prefixes ``tokens``.
+
+        Touches the matched nodes for LRU. With ``record`` the query counts toward the
+        hit counters (``num_queried_tokens`` += len(tokens), ``num_hit_tokens`` += hit).
+        """
+        limit = len(tokens) // self.block_size
+        if max_blocks is not None:
+            limit = min(limit, max_blocks)
+        node = self._roots.get(namespace)
+        blocks: list[int] = []
+        now = next(self._clock)
+        if node is not None:
+            for key in self._block_keys(tokens, limit):
+                child = node.children.get(key)
+                if child is None:
+                    break
+                child.last_access = now
+                blocks.append(child.block_id)
+                node = child
+        match = PrefixMatch(tuple(blocks), len(blocks) * self.block_size)
+        if record:
+            self.record_query(len(tokens), match.num_tokens)
+        return match
+
+    def record_query(self, num_queried_tokens: int, num_hit_tokens: int) -> None:
+        self.num_queried_tokens += num_queried_tokens
+        self.num_hit_tokens += num_hit_tokens
+
+    # ------------------------------------------------------------------ insertion
+    def insert(self, tokens: Sequence[int], block_ids: Sequence[int], namespace: Hashable = None) -> int:
+        """Cache the full blocks ``block_ids`` holding ``tokens[: len(block_ids) * block_size]``.
+
+        The blocks must be in use (locked) by the caller. Where a node already exists for a
+        block's tokens, the existing block is kept and the caller's duplicate stays uncached.
+        Returns the number of blocks newly cached.
+        """
+        if len(tokens) < len(block_ids) * self.block_size:
+            raise ValueError(f"{len(block_ids)} full blocks need {len(block_ids) * self.block_size} tokens, got {len(tokens)}")
+        node = self._roots.get(namespace)
+        if node is None:
+            node = self._roots[namespace] = _Node(None, None, None)
+        now = next(self._clock)
+        added = 0
+        for key, block_id in zip(self._block_keys(tokens, len(block_ids)), block_ids):
+            child = node.children.get(key)
+            if child is None:
+                if block_id in self._node_of_block:
+                    # Already cached under another prefix: one block cannot have two identities.
+                    break
+                child = _Node(key, block_id, node)
+                node.children[key] = child
+                self._node_of_block[block_id] = child
+                self.pool.mark_cached(block_id)
+                added += 1
+            child.last_access = now
+            node = child
+        return added
+
+    # ------------------------------------------------------------------ eviction
+    def on_block_idle(self, block_id: int) -> None:
+        node = self._node_of_block[block_id]
+        if not node.children:
+            self._push(node)
+
+    def _push(self, node: _Node) -> None:
+        heapq.heappush(self._heap, (node.last_access, next(self._tiebreak), node))
+
+    def _is_idle_leaf(self, node: _Node) -> bool:
+        return (
+            not node.children
+            and self._node_of_block.get(node.block_id) is node
+            and self.pool.ref_count(node.block_id) == 0
+        )
+
+    def evict(self, num_blocks: int) -> int:
+        """Evict up to ``num_blocks`` least recently used idle leaves; return how many."""
+        evicted = 0
+        while evicted < num_blocks and self._heap:
+            stamp, _, node = heapq.heappop(self._heap)
+            if not self._is_idle_leaf(node):
+                continue  # stale: evicted already, gained children, or locked again
+            if stamp != node.last_access:
+                self._push(node)  # touched since it was queued: requeue at its true age
+                continue
+            self._remove(node)
+            evicted += 1
+            parent = node.parent
+            if parent.block_id is not None and self._is_idle_leaf(parent):
+                self._push(parent)
+        self.num_evicted_blocks += evicted
+        return evicted
+
+    def _remove(self, node: _Node) -> None:
+        del node.parent.children[node.key]
+        del self._node_of_block[node.block_id]
+        self.pool.release_cached(node.block_id)
+
+    def reset(self) -> None:
+        """Evict every idle cached block. Raises ``ValueError`` if any cached block is in use."""
+        if any(self.pool.ref_count(b) for b in self._node_of_block):
+            raise ValueError("cannot reset the prefix cache while cached blocks are in use")
+        for block_id in list(self._node_of_block):
+            self.pool.release_cached(block_id)
+        self._node_of_block.clear()
+        self._roots.clear()
+        self._heap.clear()
+
+    # ------------------------------------------------------------------ checks
+    def check_integrity(self) -> None:
+        """Assert tree, pool and heap agree; raises AssertionError."""
+        seen = 0
+        stack = list(self._roots.values())
+        queued = {id(entry[2]) for entry in self._heap}
+        while stack:
+            node = stack.pop()
+            for key, child in node.children.items():
+                assert child.parent is node and child.key == key
+                assert len(key) == self.block_size
+                assert self._node_of_block.get(child.block_id) is child
+                assert self.pool.is_cached(child.block_id)
+                if not child.children and self.pool.ref_count(child.block_id) == 0:
+                    assert id(child) in queued, f"idle leaf block {child.block_id} is not evictable"
+                seen += 1
+                stack.append(child)
+        assert seen == len(self._node_of_block) == self.pool.num_cached_blocks
+        self.pool.check_integrity()

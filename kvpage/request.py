@@ -1,0 +1,118 @@
+"""A request's lifecycle state as the scheduler sees it.
+
+Token index regions of one request (``all_token_ids`` = prompt + output)::
+
+    [0, num_cached_tokens)            KV served from the prefix cache at admission
+    [0, num_computed_tokens)          KV already in the paged cache
+    [num_computed_tokens, num_tokens) tokens still to feed to the model
+"""
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from typing import Hashable, Optional, Sequence
+
+from .sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    """Why a request ended; the string values match OpenAI's ``finish_reason``."""
+
+    LENGTH = "length"  # max_tokens or max_model_len reached
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    ABORT = "abort"
+    ERROR = "error"
+
+
+_arrival_counter = itertools.count()
+
+
+class Request:
+    """One sequence being generated.
+
+    ``namespace`` keeps prefix-cache entries apart (a cache salt or an adapter id):
+    requests only share cached blocks with requests of the same namespace.
+    """
+
+    __slots__ = (
+        "request_id", "sampling_params", "eos_token_id", "namespace", "arrival_time",
+        "arrival_order", "all_token_ids", "num_prompt_tokens", "status", "block_ids",
+        "num_computed_tokens", "num_cached_tokens", "num_inserted_blocks", "num_preemptions",
+        "finish_reason", "error", "first_token_time", "finish_time", "last_token_time",
+        "prefix_queried",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling_params: Optional[SamplingParams] = None,
+        eos_token_id: Optional[int] = None,
+        namespace: Hashable = None,
+        arrival_time: Optional[float] = None,
+    ) -> None:
+        if len(prompt_token_ids) == 0:
+            raise ValueError(f"request {request_id!r}: the prompt is empty")
+        self.request_id = request_id
+        self.sampling_params = sampling_params or SamplingParams()
+        self.eos_token_id = eos_token_id
+        self.namespace = namespace
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.arrival_order = next(_arrival_counter)
+        self.all_token_ids: list[int] = [int(t) for t in prompt_token_ids]
+        self.num_prompt_tokens = len(self.all_token_ids)
+        self.status = RequestStatus.WAITING
+        self.block_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        self.num_inserted_blocks = 0  # leading full blocks already offered to the prefix cache
+        self.num_preemptions = 0
+        self.finish_reason: Optional[FinishReason] = None
+        self.error: Optional[str] = None
+        self.first_token_time: Optional[float] = None
+        self.last_token_time: Optional[float] = None
+        self.finish_time: Optional[float] = None
+        self.prefix_queried = False  # the prefix-cache query was counted once
+
+    # Derived sizes, so callers never repeat the index arithmetic.
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.all_token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def sort_key(self) -> tuple:
+        """Scheduling order: lower priority value first, then earlier arrival."""
+        return (self.sampling_params.priority, self.arrival_order)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.value}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, blocks={len(self.block_ids)})"
+        )
