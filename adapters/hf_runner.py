@@ -1,0 +1,128 @@
+"""Runs one scheduled step through a Hugging Face model with paged KV.
+
+Contract: ``execute(metadata)`` takes a ``StepMetadata`` and returns float32 logits
+``[S, vocab]`` for ``metadata.logits_indices`` (in that order). The model sees one
+flattened ragged batch ``[1, T]``; attention reads and writes the paged buffers.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from .hf_attention import ATTN_IMPLEMENTATION, PagedForwardContext, paged_step, register_kvpage_attention
+
+
+@dataclass(frozen=True, slots=True)
+class LayerKVShape:
+    num_kv_heads: int
+    head_dim: int
+
+
+class UnsupportedModelError(ValueError):
+    """The model cannot run on kvpage (its attention bypasses the attention interface, ...)."""
+
+
+def check_supported(model: torch.nn.Module) -> None:
+    """Raise ``UnsupportedModelError`` naming the reason when ``model`` cannot be paged."""
+    config = getattr(model, "config", None)
+    name = type(model).__name__
+    if config is None or not hasattr(model, "set_attn_implementation"):
+        raise UnsupportedModelError(f"{name} is not a transformers PreTrainedModel")
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModelError(f"{name} is an encoder-decoder model; kvpage serves decoder-only models")
+    if not type(model)._can_set_attn_implementation():
+        raise UnsupportedModelError(
+            f"{name}'s attention does not go through transformers' AttentionInterface, so kvpage cannot page its KV"
+        )
+
+
+class _ProbeBackend:
+    """Records each layer's K shape during a one-token forward; computes nothing useful."""
+
+    def __init__(self) -> None:
+        self.shapes: dict[int, LayerKVShape] = {}
+        self.dtype: Optional[torch.dtype] = None
+
+    def prepare(self, metadata: Any) -> None:
+        return None
+
+    def write_kv(self, key_cache, value_cache, k, v, prepared) -> None:
+        self.shapes[key_cache] = LayerKVShape(int(k.shape[1]), int(k.shape[2]))  # key_cache is the layer index
+        self.dtype = k.dtype
+
+    def attention(self, q, key_cache, value_cache, prepared, scaling, sliding_window, softcap, sinks):
+        return torch.zeros_like(q)
+
+
+class HFModelRunner:
+    """Owns the model's switch to kvpage attention and one forward per step."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        check_supported(model)
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.original_attn_implementation = model.config._attn_implementation
+        register_kvpage_attention()
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        self.num_layers = int(model.config.num_hidden_layers)
+        self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self.key_caches: list = []
+        self.value_caches: list = []
+        self.backend: Any = None
+        self.layer_shapes, self.kv_dtype = self._probe_layers()
+
+    def _probe_layers(self) -> tuple[list[LayerKVShape], torch.dtype]:
+        probe = _ProbeBackend()
+        layers = list(range(self.num_layers))
+        context = PagedForwardContext(layers, layers, probe, None)
+        ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+        with torch.inference_mode(), paged_step():
+            self.model(input_ids=ids, position_ids=ids, use_cache=False, kvpage_context=context)
+        if len(probe.shapes) != self.num_layers or context.layers_called != self.num_layers:
+            self.restore()
+            raise UnsupportedModelError(
+                f"{type(self.model).__name__}: only {context.layers_called} of {self.num_layers} layers called the "
+                "kvpage attention; the others bypass the attention interface"
+            )
+        return [probe.shapes[i] for i in layers], probe.dtype
+
+    def bind(self, key_caches: list, value_caches: list, backend: Any) -> None:
+        """Attach the paged buffers (one K and one V per layer) and the attention backend."""
+        if len(key_caches) != self.num_layers or len(value_caches) != self.num_layers:
+            raise ValueError(f"expected {self.num_layers} K and V buffers, got {len(key_caches)} and {len(value_caches)}")
+        self.key_caches, self.value_caches, self.backend = key_caches, value_caches, backend
+
+    def copy_blocks(self, block_copies) -> None:
+        """Copy-on-write: duplicate whole blocks ``src -> dst`` in every layer."""
+        if len(block_copies) == 0:
+            return
+        pairs = torch.as_tensor(block_copies, dtype=torch.long, device=self.device)
+        for caches in (self.key_caches, self.value_caches):
+            for cache in caches:
+                cache[pairs[:, 1]] = cache[pairs[:, 0]]
+
+    @torch.inference_mode()
+    def execute(self, metadata: Any) -> torch.Tensor:
+        self.copy_blocks(metadata.block_copies)
+        device = self.device
+        input_ids = torch.as_tensor(metadata.input_ids, device=device).unsqueeze(0)
+        positions = torch.as_tensor(metadata.positions, device=device).unsqueeze(0)
+        rows = torch.as_tensor(metadata.logits_indices, dtype=torch.long, device=device)
+        context = PagedForwardContext(self.key_caches, self.value_caches, self.backend, self.backend.prepare(metadata))
+        kwargs = dict(input_ids=input_ids, position_ids=positions, use_cache=False, kvpage_context=context)
+        if self._takes_logits_to_keep:
+            kwargs["logits_to_keep"] = rows
+        with paged_step():
+            logits = self.model(**kwargs).logits[0]
+        if not self._takes_logits_to_keep:
+            logits = logits[rows]
+        if context.layers_called != self.num_layers:
+            raise RuntimeError(f"{self.num_layers - context.layers_called} layers bypassed kvpage attention")
+        return logits.float()
+
+    def restore(self) -> None:
+        """Switch the model back to the attention implementation it had before."""
+        self.model.set_attn_implementation(self.original_attn_implementation)

@@ -1,0 +1,235 @@
+"""The synchronous engine: scheduler -> model runner -> sampler -> detokenizer, one step at a time.
+
+``LLMEngine`` is framework-light: it needs a *runner* with ``execute(StepMetadata) ->
+logits [S, V]`` and a tokenizer. A fault in one step fails only that step's requests
+(``finish_reason == "error"``); everything else keeps running.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any, Hashable, Optional, Sequence, Union
+
+import numpy as np
+
+from .config import CacheConfig, SchedulerConfig
+from .detokenizer import IncrementalDetokenizer
+from .outputs import CompletionOutput, RequestMetrics, RequestOutput, StreamDelta
+from .request import FinishReason, Request
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler, SchedulerOutput
+
+Prompt = Union[str, Sequence[int]]
+
+
+@dataclass
+class _Sample:
+    """One of a request's ``n`` samples: its scheduler request and its text state."""
+
+    seq_id: str
+    detokenizer: IncrementalDetokenizer
+    logprobs: Optional[list] = None
+    cumulative_logprob: float = 0.0
+    finish_reason: Optional[str] = None
+    error: Optional[str] = None
+    token_ids: list = field(default_factory=list)
+
+
+@dataclass
+class _Group:
+    """A user request: the prompt, its parameters and its ``n`` samples."""
+
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list
+    params: SamplingParams
+    metrics: RequestMetrics
+    samples: list = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return len(self.samples) == self.params.n and all(s.finish_reason for s in self.samples)
+
+
+class LLMEngine:
+    def __init__(self, runner: Any, sampler: Any, tokenizer: Any, cache_config: CacheConfig,
+                 scheduler_config: SchedulerConfig, vocab_size: int, eos_token_ids: Sequence[int] = ()) -> None:
+        self.runner = runner
+        self.sampler = sampler
+        self.tokenizer = tokenizer
+        self.scheduler = Scheduler(cache_config, scheduler_config)
+        self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(eos_token_ids)
+        self._groups: dict[str, _Group] = {}
+        self._seq_owner: dict[str, tuple[_Group, int]] = {}
+        self._ids = itertools.count()
+        self.num_step_errors = 0
+        self._finished_outputs: dict[str, _Group] = {}
+
+    # ------------------------------------------------------------------ intake
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty")
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer; pass token ids instead")
+            return list(self.tokenizer.encode(prompt))
+        ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        return ids
+
+    def add_request(self, prompt: Prompt, params: Optional[SamplingParams] = None,
+                    request_id: Optional[str] = None, namespace: Hashable = None) -> str:
+        """Validate and queue a request; returns its id. Raises ``ValueError`` on bad input."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id in self._groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        token_ids = self.tokenize(prompt)
+        eos = self.eos_token_ids[0] if self.eos_token_ids else None
+        params_for_seq = params
+        if len(self.eos_token_ids) > 1 and not params.ignore_eos:
+            extra = tuple(t for t in self.eos_token_ids[1:] if t not in params.stop_token_ids)
+            params_for_seq = _with_stop_ids(params, extra)
+        seq_id = request_id if params.n == 1 else f"{request_id}#0"
+        request = Request(seq_id, token_ids, params_for_seq, eos, namespace)
+        self.scheduler.add_request(request)  # raises before any engine state is touched
+        group = _Group(request_id, prompt if isinstance(prompt, str) else None, token_ids, params,
+                       RequestMetrics(arrival_time=request.arrival_time))
+        self._add_sample(group, seq_id)
+        self._groups[request_id] = group
+        return request_id
+
+    def _add_sample(self, group: _Group, seq_id: str) -> _Sample:
+        sample = _Sample(seq_id, IncrementalDetokenizer(self.tokenizer, group.prompt_token_ids, group.params.stop)
+                         if self.tokenizer is not None else None)
+        if group.params.logprobs is not None:
+            sample.logprobs = []
+        self._seq_owner[seq_id] = (group, len(group.samples))
+        group.samples.append(sample)
+        return sample
+
+    # ------------------------------------------------------------------ control
+    def abort(self, request_id: str) -> bool:
+        group = self._groups.pop(request_id, None)
+        if group is None:
+            return False
+        for sample in group.samples:
+            self.scheduler.abort(sample.seq_id)
+            self._release(sample.seq_id)
+        return True
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._groups
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups)
+
+    def _release(self, seq_id: str) -> None:
+        self._seq_owner.pop(seq_id, None)
+        self.sampler.release(seq_id)
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[StreamDelta]:
+        """Run one scheduled step; return a delta for every sample that changed."""
+        output = self.scheduler.schedule()
+        if output.is_empty:
+            return []
+        try:
+            logits = self.runner.execute(output.metadata)
+        except Exception as exc:  # noqa: BLE001 - a failed step must not take the engine down
+            self.num_step_errors += 1
+            return self._fail(output.requests, f"model step failed: {type(exc).__name__}: {exc}")
+        return self._process(output, logits)
+
+    def _process(self, output: SchedulerOutput, logits: Any) -> list[StreamDelta]:
+        import torch
+
+        rows = [output.requests[i] for i in output.metadata.sample_seq_indices.tolist()]
+        finite = torch.isfinite(logits).all(dim=-1).tolist()
+        deltas = self._fail([r for r, ok in zip(rows, finite) if not ok], "the model produced non-finite logits")
+        result = self.sampler.sample(torch.nan_to_num(logits), rows)
+        self.scheduler.update_from_output(output, result.token_ids)
+        for j, request in enumerate(rows):
+            if not finite[j] or request.request_id not in self._seq_owner:
+                continue
+            deltas.append(self._emit(request, int(result.token_ids[j]), result.logprobs[j],
+                                     float(result.token_logprobs[j])))
+        return [d for d in deltas if d is not None]
+
+    def _emit(self, request: Request, token: int, logprobs: Optional[dict], token_logprob: float) -> Optional[StreamDelta]:
+        group, index = self._seq_owner[request.request_id]
+        sample = group.samples[index]
+        sample.token_ids.append(token)
+        sample.cumulative_logprob += token_logprob
+        if sample.logprobs is not None:
+            sample.logprobs.append(logprobs)
+        if group.metrics.first_token_time is None:
+            group.metrics.first_token_time = request.first_token_time
+            group.metrics.num_cached_tokens = request.num_cached_tokens
+        group.metrics.last_token_time = request.last_token_time
+        group.metrics.num_preemptions = max(group.metrics.num_preemptions, request.num_preemptions)
+        text = sample.detokenizer.add_tokens([token]) if sample.detokenizer else ""
+        if sample.detokenizer is not None and sample.detokenizer.stopped_by is not None and not request.is_finished:
+            self.scheduler.finish_request(request.request_id, FinishReason.STOP)
+        if request.is_finished:
+            if sample.detokenizer is not None:
+                text += sample.detokenizer.flush()
+            sample.finish_reason = request.finish_reason.value
+            self._release(request.request_id)
+            self._maybe_close(group)
+        return StreamDelta(group.request_id, index, text, [token], sample.finish_reason,
+                           [logprobs] if logprobs is not None else None)
+
+    def _fail(self, requests: Sequence[Request], message: str) -> list[StreamDelta]:
+        deltas = []
+        for request in requests:
+            owner = self._seq_owner.get(request.request_id)
+            if owner is None:
+                continue
+            self.scheduler.finish_request(request.request_id, FinishReason.ERROR, message)
+            group, index = owner
+            sample = group.samples[index]
+            sample.finish_reason, sample.error = FinishReason.ERROR.value, message
+            self._release(request.request_id)
+            self._maybe_close(group)
+            deltas.append(StreamDelta(group.request_id, index, "", [], sample.finish_reason, None, message))
+        return deltas
+
+    def _maybe_close(self, group: _Group) -> None:
+        if group.finished:
+            group.metrics.finished_time = time.monotonic()
+            self._finished_outputs[group.request_id] = self._groups.pop(group.request_id, group)
+
+    # ------------------------------------------------------------------ results
+    def take_finished(self) -> dict[str, RequestOutput]:
+        """Final outputs of the requests that ended since the last call."""
+        done, self._finished_outputs = self._finished_outputs, {}
+        return {rid: self.to_output(g) for rid, g in done.items()}
+
+    def to_output(self, group: _Group) -> RequestOutput:
+        outputs = [
+            CompletionOutput(i, s.detokenizer.text if s.detokenizer else "", list(s.token_ids), s.finish_reason,
+                             s.logprobs, s.cumulative_logprob, s.error)
+            for i, s in enumerate(group.samples)
+        ]
+        return RequestOutput(group.request_id, group.prompt, list(group.prompt_token_ids), outputs,
+                             group.finished, group.metrics)
+
+    def stats(self) -> dict:
+        stats = self.scheduler.stats()
+        stats["num_step_errors"] = self.num_step_errors
+        return stats
+
+
+def _with_stop_ids(params: SamplingParams, extra: tuple) -> SamplingParams:
+    import dataclasses
+
+    return dataclasses.replace(params, stop_token_ids=tuple(params.stop_token_ids) + extra)
