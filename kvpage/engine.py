@@ -66,6 +66,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.num_step_errors = 0
         self._finished_outputs: dict[str, _Group] = {}
+        self.step_stats = _StepStats()
 
     # ------------------------------------------------------------------ intake
     def tokenize(self, prompt: Prompt) -> list[int]:
@@ -142,6 +143,7 @@ class LLMEngine:
         output = self.scheduler.schedule()
         if output.is_empty:
             return []
+        self.step_stats.record(self.scheduler)
         try:
             logits = self.runner.execute(output.metadata)
         except Exception as exc:  # noqa: BLE001 - a failed step must not take the engine down
@@ -226,7 +228,33 @@ class LLMEngine:
     def stats(self) -> dict:
         stats = self.scheduler.stats()
         stats["num_step_errors"] = self.num_step_errors
+        stats.update(self.step_stats.summary())
         return stats
+
+
+@dataclass
+class _StepStats:
+    """Running aggregates over the steps that ran (for demos and benchmarks)."""
+
+    num_steps: int = 0
+    usage_sum: float = 0.0
+    fragmentation_sum: float = 0.0
+    peak_usage: float = 0.0
+    peak_running: int = 0
+
+    def record(self, scheduler: Scheduler) -> None:
+        pool = scheduler.pool
+        self.num_steps += 1
+        self.usage_sum += pool.usage
+        self.fragmentation_sum += pool.fragmentation
+        self.peak_usage = max(self.peak_usage, pool.usage)
+        self.peak_running = max(self.peak_running, scheduler.num_running)
+
+    def summary(self) -> dict:
+        steps = max(self.num_steps, 1)
+        return {"num_steps": self.num_steps, "mean_kv_cache_usage": self.usage_sum / steps,
+                "mean_kv_fragmentation": self.fragmentation_sum / steps,
+                "peak_kv_cache_usage": self.peak_usage, "peak_num_running": self.peak_running}
 
 
 def _with_stop_ids(params: SamplingParams, extra: tuple) -> SamplingParams:

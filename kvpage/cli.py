@@ -1,0 +1,55 @@
+"""``kvpage`` command line: ``demo``, ``serve`` and ``bench`` subcommands.
+
+Heavy imports (torch, transformers, the server) happen inside each subcommand so that
+``kvpage --help`` is instant.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional, Sequence
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(model=args.model, num_prompts=args.num_prompts, max_tokens=args.max_tokens,
+                    compare_hf=not args.no_compare)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvpage", description="Paged KV-cache serving for Hugging Face models")
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="run chat prompts through paged continuous batching and compare with HF")
+    demo.add_argument("--model", default="smollm2-135m", help="local HF folder or alias (default: embedded SmolLM2)")
+    demo.add_argument("--num-prompts", type=int, default=12)
+    demo.add_argument("--max-tokens", type=int, default=48)
+    demo.add_argument("--no-compare", action="store_true", help="skip the plain HF generate comparison")
+    demo.set_defaults(func=_demo)
+    _add_optional_subcommands(sub)
+    return parser
+
+
+def _add_optional_subcommands(sub) -> None:
+    """Subcommands that live in modules of their own register themselves here."""
+    try:
+        from .serve_cli import add_serve_parser
+    except ImportError:
+        pass
+    else:
+        add_serve_parser(sub)
+    try:
+        from .bench_cli import add_bench_parser
+    except ImportError:
+        pass
+    else:
+        add_bench_parser(sub)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

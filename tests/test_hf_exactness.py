@@ -1,0 +1,97 @@
+"""Greedy output of kvpage equals HF ``generate`` token for token, for every family.
+
+One unpadded prompt at a time through HF (fp32) is the oracle. kvpage runs all prompts
+together, under chunked prefill on and off, tiny chunk budgets, prefix-cache hits
+(including hits ending exactly on a block boundary), and a pool so small that requests
+are preempted and recomputed.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvpage import LLM, SamplingParams
+from kvpage.adapters.hf_runner import UnsupportedModelError
+from tiny_models import EXTENDED_FAMILIES, FAMILIES, UNSUPPORTED_FAMILIES, VOCAB, hf_greedy, tiny_model
+
+MAX_NEW = 10
+
+
+def _prompts(seed: int, lengths) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def _run(model, prompts, **options) -> list[list[int]]:
+    llm = LLM(model, **options)
+    try:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True),
+                            use_tqdm=False)
+        stats = llm.stats()
+        assert stats["num_free_blocks"] == stats["num_blocks"], "blocks leaked"
+        llm.engine.scheduler.check_integrity()
+        return [o.outputs[0].token_ids for o in outs], stats
+    finally:
+        llm.restore()
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_model(request):
+    model = tiny_model(request.param)
+    return request.param, model
+
+
+CONFIGS = {
+    "chunked-small-budget": dict(block_size=4, num_kv_blocks=64, max_num_batched_tokens=7, enable_chunked_prefill=True),
+    "unchunked": dict(block_size=8, num_kv_blocks=64, enable_chunked_prefill=False),
+    "no-prefix-cache": dict(block_size=16, num_kv_blocks=32, enable_prefix_caching=False),
+}
+
+
+@pytest.mark.parametrize("config_name", list(CONFIGS))
+def test_greedy_matches_hf(family_model, config_name):
+    family, model = family_model
+    prompts = _prompts(1, (1, 3, 4, 5, 11, 20))
+    expected = [hf_greedy(model, p, MAX_NEW) for p in prompts]
+    got, _ = _run(model, prompts, max_model_len=128, **CONFIGS[config_name])
+    assert got == expected, f"{family} / {config_name}"
+
+
+def test_prefix_cache_hits_are_exact(family_model):
+    family, model = family_model
+    shared = _prompts(2, (16,))[0]  # exactly four blocks of 4: hits end on a block boundary
+    tails = _prompts(3, (0, 1, 3, 4, 6))
+    prompts = [shared + t for t in tails] + [shared[:9] + tails[2], shared[:8]]
+    expected = [hf_greedy(model, p, MAX_NEW) for p in prompts]
+    # Run the shared prompt first so the others find it cached.
+    llm_prompts = [prompts[0]] + prompts
+    got, stats = _run(model, llm_prompts, block_size=4, num_kv_blocks=96, max_num_seqs=1, max_model_len=128)
+    assert got[1:] == expected, family
+    assert stats["prefix_cache_hits"] > 0
+
+
+def test_preemption_recompute_is_exact(family_model):
+    family, model = family_model
+    prompts = _prompts(4, (9, 14, 6, 12, 10, 7))
+    expected = [hf_greedy(model, p, MAX_NEW) for p in prompts]
+    # 12 blocks of 4 tokens cannot hold six sequences of up to 24 tokens: preemption must happen.
+    got, stats = _run(model, prompts, block_size=4, num_kv_blocks=12, max_num_batched_tokens=16, max_model_len=64)
+    assert got == expected, family
+    assert stats["num_preemptions"] > 0
+
+
+@pytest.mark.parametrize("family", EXTENDED_FAMILIES)
+def test_extended_families_match_hf(family):
+    model = tiny_model(family)
+    prompts = _prompts(5, (2, 9, 17))
+    expected = [hf_greedy(model, p, MAX_NEW) for p in prompts]
+    got, _ = _run(model, prompts, max_model_len=128, block_size=4, num_kv_blocks=48, max_num_batched_tokens=6)
+    assert got == expected, family
+
+
+@pytest.mark.parametrize("family", UNSUPPORTED_FAMILIES)
+def test_unsupported_models_are_refused_with_a_reason(family):
+    model = tiny_model(family)
+    with pytest.raises(UnsupportedModelError, match="attention"):
+        LLM(model, block_size=4, num_kv_blocks=16, max_model_len=64)
+    assert model.config._attn_implementation != "kvpage"  # left as it was

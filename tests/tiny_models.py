@@ -1,0 +1,103 @@
+"""Tiny randomly initialised decoder models, one per supported family, built from configs.
+
+Weights are drawn with a large ``initializer_range`` so greedy decoding has clear
+winners: exact token equality against HF then tests kvpage, not float noise.
+"""
+from __future__ import annotations
+
+import torch
+
+VOCAB = 96
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+              initializer_range=0.15, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def _configs() -> dict:
+    import transformers as tf
+
+    llama_like = dict(COMMON)
+    return {
+        "llama": lambda: tf.LlamaConfig(**llama_like),
+        "mistral": lambda: tf.MistralConfig(**llama_like, sliding_window=8),
+        "qwen2": lambda: tf.Qwen2Config(**llama_like),
+        "qwen3": lambda: tf.Qwen3Config(**llama_like, head_dim=16),
+        "phi3": lambda: tf.Phi3Config(**llama_like),
+        "gemma": lambda: tf.GemmaConfig(**llama_like, head_dim=16),
+        "gemma2": lambda: tf.Gemma2Config(**llama_like, head_dim=16, sliding_window=8,
+                                          attn_logit_softcapping=5.0, final_logit_softcapping=3.0),
+        "gemma3": lambda: tf.Gemma3TextConfig(**{**llama_like, "num_hidden_layers": 3}, head_dim=16,
+                                              sliding_window=8, layer_types=["sliding_attention", "full_attention",
+                                                                             "sliding_attention"]),
+        "gpt2": lambda: tf.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=256,
+                                      initializer_range=0.15, bos_token_id=1, eos_token_id=2),
+        "gpt_neox": lambda: tf.GPTNeoXConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
+                                             num_hidden_layers=2, num_attention_heads=4,
+                                             max_position_embeddings=256, initializer_range=0.15,
+                                             bos_token_id=1, eos_token_id=2),
+        "opt": lambda: tf.OPTConfig(vocab_size=VOCAB, hidden_size=64, ffn_dim=96, num_hidden_layers=2,
+                                    num_attention_heads=4, max_position_embeddings=256, word_embed_proj_dim=64,
+                                    init_std=0.15, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+        # Extended matrix: sinks, MQA, MoE and other attention variants.
+        "gpt_oss": lambda: tf.GptOssConfig(**llama_like, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                                           sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
+        "gpt_bigcode": lambda: tf.GPTBigCodeConfig(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=256,
+                                                   multi_query=True, initializer_range=0.15, bos_token_id=1,
+                                                   eos_token_id=2),
+        "gptj": lambda: tf.GPTJConfig(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=256, rotary_dim=8,
+                                      initializer_range=0.15, bos_token_id=1, eos_token_id=2),
+        "codegen": lambda: tf.CodeGenConfig(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=256,
+                                            n_ctx=256, rotary_dim=8, initializer_range=0.15, bos_token_id=1,
+                                            eos_token_id=2),
+        "starcoder2": lambda: tf.Starcoder2Config(**llama_like, sliding_window=8),
+        "phi": lambda: tf.PhiConfig(**llama_like),
+        "mixtral": lambda: tf.MixtralConfig(**llama_like, num_local_experts=4),
+        "olmo2": lambda: tf.Olmo2Config(**llama_like),
+        "cohere": lambda: tf.CohereConfig(**llama_like),
+        "granite": lambda: tf.GraniteConfig(**llama_like),
+        "smollm3": lambda: tf.SmolLM3Config(**llama_like),
+        # Not supported: attention bypasses the interface, or there is no attention at all.
+        "bloom": lambda: tf.BloomConfig(vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4),
+        "stablelm": lambda: tf.StableLmConfig(**llama_like),
+        "mamba": lambda: tf.MambaConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2),
+    }
+
+
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3", "gpt2", "gpt_neox", "opt"]
+EXTENDED_FAMILIES = ["gpt_oss", "gpt_bigcode", "gptj", "codegen", "starcoder2", "phi", "mixtral", "olmo2", "cohere",
+                     "granite", "smollm3"]
+UNSUPPORTED_FAMILIES = ["bloom", "stablelm", "mamba"]
+
+
+def tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32):
+    """A fresh, eval-mode, randomly initialised causal LM of ``family``."""
+    from transformers import AutoModelForCausalLM
+
+    config = _configs()[family]()
+    if family not in UNSUPPORTED_FAMILIES:
+        config._attn_implementation = "eager" if family in ("gemma2", "gpt_oss") else "sdpa"
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """HF ``generate`` greedy continuation of one unpadded prompt, ignoring EOS."""
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def char_tokenizer():
+    """A character-level fast tokenizer over ``VOCAB`` ids: 0 pad, 1 bos, 2 eos, then ASCII 32.."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [chr(c) for c in range(32, 32 + VOCAB - 3)]
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{ch: i + 3 for i, ch in enumerate(chars)}}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
