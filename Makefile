@@ -3,6 +3,8 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
+# The pytest script, not `python -m pytest`: the latter puts the repository root on sys.path.
+PYTEST := $(VENV)/bin/pytest
 EXTRAS ?= hf,cpu,cuda,serve,bench,dev
 STAMP  := $(VENV)/.installed
 
@@ -21,13 +23,13 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PYTEST) -q
 
 demo: $(STAMP)
 	$(PY) -m kvpage demo
 
 bench: $(STAMP)
-	$(PY) -m pytest benchmarks/ --benchmark-only -q
+	$(PYTEST) benchmarks/ --benchmark-only -q
 
 clean:
 	rm -rf $(VENV) build *.egg-info

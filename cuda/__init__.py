@@ -1,4 +1,35 @@
-"""Numba CUDA kernels over CuPy-allocated paged KV buffers (import name ``kvpage.cuda``).
+"""Numba CUDA kernels over paged KV buffers (import name ``kvpage.cuda``).
 
-Importing this package never touches a GPU: kernels compile lazily on first launch.
+Public entry points (same contract as ``kvpage.attention.reference``):
+
+* ``store_kv(key_cache, value_cache, k, v, slot_mapping, *, stream=None)``
+* ``paged_attention(q, key_cache, value_cache, query_start_loc, seq_lens, block_tables,
+  scaling, sliding_window=None, softcap=None, sinks=None, *, num_splits=None, stream=None)``
+
+Importing this package never touches a GPU and imports neither numba nor cupy nor torch:
+the wrappers load on first attribute access and kernels compile on first launch.
+Module names here avoid ``bindings``/``core``/``pathfinder`` (NVIDIA's ``cuda.*`` namespace).
 """
+from __future__ import annotations
+
+from typing import Any
+
+if __name__ == "cuda":
+    # Imported as top-level ``cuda`` because the repository root is on sys.path
+    # (``python -m pytest`` / ``python -c`` from the root). Then this directory shadows
+    # NVIDIA's ``cuda`` namespace package (``cuda.bindings``, ``cuda.pathfinder``) that
+    # numba-cuda and CuPy import; joining the other ``cuda/`` directories on sys.path
+    # to this package's search path makes those imports resolve as usual.
+    from pkgutil import extend_path
+
+    __path__ = extend_path(__path__, __name__)
+
+__all__ = ["store_kv", "paged_attention"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from . import ops
+
+        return getattr(ops, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,254 @@
+"""Python launch wrappers: ``store_kv`` and ``paged_attention`` on the GPU (or simulator).
+
+Same contract as ``kvpage.attention.reference`` (see that module for the semantics).
+Inputs may be CuPy arrays, torch CUDA tensors or Numba device arrays (zero-copy); host
+numpy arrays are accepted for the metadata (copied on the launch stream) and, for
+testing, for everything (results copied back, which synchronises). Launches go on the
+caller's current stream and do not synchronise.
+
+Dtypes: q and the caches are float16 or float32 (the Numba path has no bfloat16: numpy
+and CuPy have no such dtype for ``__cuda_array_interface__``); accumulation is fp32.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any, Optional
+
+import numpy as np
+
+from . import interop
+from .launch_config import choose_splits, choose_tile, prefill_rows
+
+_FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32))
+_DEFAULT_THREADS = 128
+_SIM_THREADS = 16
+
+
+@lru_cache(maxsize=None)
+def _num_sms() -> int:
+    from numba import cuda
+
+    if interop.simulator_enabled():
+        return 1
+    return int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
+
+
+def _prepare() -> None:
+    """Once per process before the first launch: a usable compiler setup (real GPU only)."""
+    if not interop.simulator_enabled():
+        from .toolchain import ensure_toolchain
+
+        ensure_toolchain()
+
+
+def _check_float(name: str, x: Any) -> None:
+    dt = interop.numpy_dtype(x)
+    if dt not in _FLOAT_DTYPES:
+        raise ValueError(f"{name} must be float16 or float32, got {dt}")
+
+
+def _host_int(x: Any, name: str) -> np.ndarray:
+    """A host copy of a small metadata array (a device copy synchronises: pass numpy to avoid it)."""
+    if isinstance(x, np.ndarray):
+        return np.asarray(x, dtype=np.int64)
+    kind = interop.array_kind(x)
+    if kind == interop.TORCH:
+        return x.detach().cpu().numpy().astype(np.int64)
+    if kind == interop.CUPY:
+        return x.get().astype(np.int64)
+    return x.copy_to_host().astype(np.int64)
+
+
+def _meta_arg(x: Any, dtype: Any, stream: Any) -> Any:
+    """Kernel argument for a metadata array; host arrays are normalised to ``dtype`` first."""
+    if isinstance(x, np.ndarray):
+        x = np.ascontiguousarray(x, dtype=dtype)
+    return interop.as_kernel_arg(x, stream)
+
+
+def _float_arg(x: Any, stream: Any) -> Any:
+    """Kernel argument for a small float array (host arrays become contiguous float32)."""
+    if isinstance(x, np.ndarray):
+        x = np.ascontiguousarray(x, dtype=np.float32)
+    return interop.as_kernel_arg(x, stream)
+
+
+def _result(out: Any, like: Any) -> Any:
+    """Return host numpy for host numpy input (outside the simulator), else the device array."""
+    if isinstance(like, np.ndarray) and not isinstance(out, np.ndarray):
+        return out.copy_to_host()
+    return out
+
+
+def store_kv(key_cache: Any, value_cache: Any, k: Any, v: Any, slot_mapping: Any, *,
+             stream: Optional[Any] = None, threads_per_block: Optional[int] = None) -> None:
+    """Scatter ``k``/``v`` ``[T, H_kv, D]`` into the caches at flat slots ``slot_mapping [T]``.
+
+    The caches are updated in place, so they must be device arrays (host numpy only under
+    the simulator). Negative slots are skipped (padding tokens).
+    """
+    if tuple(key_cache.shape) != tuple(value_cache.shape) or len(key_cache.shape) != 4:
+        raise ValueError(f"key/value caches must share a 4-D shape, got {tuple(key_cache.shape)} "
+                         f"and {tuple(value_cache.shape)}")
+    if tuple(k.shape) != tuple(v.shape) or len(k.shape) != 3 or tuple(k.shape[1:]) != tuple(key_cache.shape[2:]):
+        raise ValueError(f"k/v must be [T, {key_cache.shape[2]}, {key_cache.shape[3]}], got "
+                         f"{tuple(k.shape)} and {tuple(v.shape)}")
+    if tuple(slot_mapping.shape) != (k.shape[0],):
+        raise ValueError(f"slot_mapping must be [{k.shape[0]}], got {tuple(slot_mapping.shape)}")
+    if isinstance(slot_mapping, np.ndarray):
+        capacity = key_cache.shape[0] * key_cache.shape[1]
+        if slot_mapping.size and int(np.max(slot_mapping)) >= capacity:
+            raise ValueError(f"slot_mapping has a slot >= num_blocks * block_size ({capacity})")
+    for name, arr in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if isinstance(arr, np.ndarray) and not interop.simulator_enabled():
+            raise ValueError(f"{name} must be a device array: store_kv writes it in place")
+    total = int(np.prod(k.shape))
+    if total == 0:
+        return
+    from .store_kernels import store_kernel  # numba.cuda loads here, after validation
+
+    _prepare()
+    threads = threads_per_block or (_SIM_THREADS if interop.simulator_enabled() else 256)
+    launch_stream = interop.resolve_stream(stream, (key_cache, k))
+    args = [interop.as_kernel_arg(a, launch_stream) for a in (key_cache, value_cache, k, v)]
+    slots = _meta_arg(slot_mapping, np.int64, launch_stream)
+    blocks = min(-(-total // threads), 1 << 20)
+    store_kernel()[blocks, threads, launch_stream](*args, slots)
+
+
+def paged_attention(
+    q: Any,
+    key_cache: Any,
+    value_cache: Any,
+    query_start_loc: Any,
+    seq_lens: Any,
+    block_tables: Any,
+    scaling: float,
+    sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    sinks: Optional[Any] = None,
+    *,
+    num_splits: Optional[int] = None,
+    stream: Optional[Any] = None,
+    num_decodes: Optional[int] = None,
+    max_query_len: Optional[int] = None,
+    max_seq_len: Optional[int] = None,
+    threads_per_block: Optional[int] = None,
+    kv_tile: Optional[int] = None,
+) -> Any:
+    """Paged attention over a ragged batch; returns ``[T, H, D]`` in ``q``'s dtype.
+
+    The first ``num_decodes`` sequences (query length 1) go to the split-K decode path;
+    the rest to the prefill path (causal w.r.t. absolute positions). Host metadata lets
+    the wrapper derive ``num_decodes``/``max_query_len``/``max_seq_len`` for free; with
+    device metadata pass them, or they are read back (one synchronising copy).
+
+    Args beyond the reference contract:
+        num_splits: decode split-K factor (None: chosen from the SM count; 1: no merge).
+        stream: stream to launch on (default: the arrays' library's current stream).
+        threads_per_block, kv_tile: tuning knobs (defaults: 128 threads, the largest tile
+            fitting 46 KiB of shared memory; tiny values keep the simulator fast).
+    """
+    if len(q.shape) != 3 or len(key_cache.shape) != 4 or tuple(key_cache.shape) != tuple(value_cache.shape):
+        raise ValueError(f"expected q [T, H, D] and two equal caches [N, B, H_kv, D], got {tuple(q.shape)}, "
+                         f"{tuple(key_cache.shape)}, {tuple(value_cache.shape)}")
+    num_tokens, num_heads, head_dim = (int(s) for s in q.shape)
+    num_kv_heads = int(key_cache.shape[2])
+    if int(key_cache.shape[3]) != head_dim:
+        raise ValueError(f"head_dim mismatch: q has {head_dim}, caches have {key_cache.shape[3]}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    for name, arr in (("q", q), ("key_cache", key_cache), ("value_cache", value_cache)):
+        _check_float(name, arr)
+    group = num_heads // num_kv_heads
+    num_seqs = int(seq_lens.shape[0])
+    if tuple(query_start_loc.shape) != (num_seqs + 1,):
+        raise ValueError(f"query_start_loc must be [{num_seqs + 1}], got {tuple(query_start_loc.shape)}")
+    if len(block_tables.shape) != 2 or int(block_tables.shape[0]) != num_seqs:
+        raise ValueError(f"block_tables must be [{num_seqs}, max_blocks], got {tuple(block_tables.shape)}")
+    if sinks is not None and tuple(sinks.shape) != (num_heads,):
+        raise ValueError(f"sinks must be [{num_heads}], got {tuple(sinks.shape)}")
+    window = int(sliding_window or 0)
+    if window < 0:
+        raise ValueError(f"sliding_window must be positive, got {sliding_window}")
+    cap = float(softcap or 0.0)
+
+    if num_decodes is None or max_query_len is None or max_seq_len is None:
+        qsl = _host_int(query_start_loc, "query_start_loc")
+        lens = _host_int(seq_lens, "seq_lens")
+        q_lens = np.diff(qsl)
+        if num_seqs and (qsl[0] != 0 or qsl[-1] != num_tokens or (q_lens < 0).any()):
+            raise ValueError("query_start_loc must rise from 0 to num_tokens")
+        if (lens < q_lens).any():
+            raise ValueError("seq_lens must be >= each sequence's query length")
+        if num_decodes is None:
+            not_decode = np.flatnonzero(q_lens != 1)
+            num_decodes = int(not_decode[0]) if not_decode.size else num_seqs
+        decode_ctx = lens[:num_decodes]
+        max_decode_ctx = int(decode_ctx.max()) if num_decodes else 0
+        max_query_len = int(q_lens[num_decodes:].max()) if num_seqs > num_decodes else 0
+        max_seq_len = int(lens.max()) if num_seqs else 0
+    else:
+        max_decode_ctx = max_seq_len
+    if window:
+        max_decode_ctx = min(max_decode_ctx, window)
+
+    from .attention_kernels import attention_kernel, merge_kernel  # numba.cuda loads here, not before
+
+    _prepare()
+
+    launch_stream = interop.resolve_stream(stream, (q, key_cache))
+    out = interop.empty_like_kind(q, (num_tokens, num_heads, head_dim), interop.numpy_dtype(q), launch_stream)
+    if num_tokens == 0 or num_seqs == 0:
+        return _result(out, q)
+
+    sim = interop.simulator_enabled()
+    threads = threads_per_block or (_SIM_THREADS if sim else _DEFAULT_THREADS)
+    q_arg, k_arg, v_arg = (interop.as_kernel_arg(a, launch_stream) for a in (q, key_cache, value_cache))
+    qsl_arg = _meta_arg(query_start_loc, np.int32, launch_stream)
+    lens_arg = _meta_arg(seq_lens, np.int32, launch_stream)
+    bt_arg = _meta_arg(block_tables, np.int32, launch_stream)
+    f32 = np.float32
+
+    def scratch(shape: tuple) -> Any:
+        return interop.as_kernel_arg(interop.empty_like_kind(q, shape, f32, launch_stream), launch_stream)
+
+    if sinks is None:
+        sinks_arg, has_sinks = scratch((1,)), 0
+    else:
+        sinks_arg, has_sinks = _float_arg(sinks, launch_stream), 1
+    out_arg = interop.as_kernel_arg(out, launch_stream)
+    common = (q_arg, k_arg, v_arg, qsl_arg, lens_arg, bt_arg)
+    flags = (float(scaling), window, cap, sinks_arg, has_sinks)
+    # Unused partial buffers still need the right rank/dtype: one compiled variant serves both modes.
+    no_parts = (scratch((1, 1, 1)), scratch((1, 1, 1)), scratch((1, 1, 1, 1)))
+
+    if num_decodes:
+        tile = kv_tile or choose_tile(group, head_dim)
+        splits, partition = choose_splits(num_decodes * num_kv_heads, max_decode_ctx, tile, _num_sms(), num_splits)
+        kernel = attention_kernel(group, head_dim, group, tile, threads)
+        grid = (num_decodes, num_kv_heads, splits)
+        if splits == 1:
+            kernel[grid, threads, launch_stream](*common, 0, 1, *flags, partition, 0, out_arg, *no_parts)
+        else:
+            part_max = scratch((num_decodes, num_heads, splits))
+            part_sum = scratch((num_decodes, num_heads, splits))
+            part_acc = scratch((num_decodes, num_heads, splits, head_dim))
+            kernel[grid, threads, launch_stream](*common, 0, 1, *flags, partition, 1, out_arg,
+                                                 part_max, part_sum, part_acc)
+            merge_threads = min(threads, head_dim)
+            merge_kernel(head_dim, merge_threads)[(num_decodes, num_heads), merge_threads, launch_stream,
+                                                   4 * (splits + 1)](
+                part_max, part_sum, part_acc, splits, sinks_arg, has_sinks, 0, out_arg)
+
+    num_prefills = num_seqs - num_decodes
+    if num_prefills and max_query_len:
+        rows = prefill_rows(group, 4 if sim else 16)
+        tile = kv_tile or choose_tile(rows, head_dim)
+        row_tiles = -(-(max_query_len * group) // rows)
+        kernel = attention_kernel(rows, head_dim, group, tile, threads)
+        grid = (num_prefills * row_tiles, num_kv_heads, 1)
+        partition = max(1, max_seq_len)
+        kernel[grid, threads, launch_stream](*common, num_decodes, row_tiles, *flags, partition, 0, out_arg,
+                                             *no_parts)
+    return _result(out, q)
