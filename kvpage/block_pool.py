@@ -112,7 +112,10 @@ class BlockPool:
         shortfall = num_blocks - len(self._free_stack)
         if shortfall > 0:
             assert self._evictor is not None, "cached-idle blocks exist without an evictor"
-            self._evictor.evict(shortfall)
+            if self._evictor.evict(shortfall) < shortfall:
+                # Cannot happen while the evictor keeps its contract (every cached-idle block
+                # is evictable); fail loudly rather than pop from an empty stack.
+                raise NoFreeBlocksError(f"the evictor released fewer than the {shortfall} idle blocks counted as free")
         blocks = [self._free_stack.pop() for _ in range(num_blocks)]
         for b in blocks:
             self._ref_count[b] = 1
@@ -124,13 +127,16 @@ class BlockPool:
         """Add one holder to each block (a prefix-cache hit or a fork).
 
         A cached-idle block is revived (locked): it can no longer be evicted.
+        Raises ``ValueError`` (and changes nothing) on an unknown or free block.
         """
-        for b in block_ids:
+        block_ids = list(block_ids)
+        for b in block_ids:  # validate everything first so a bad call changes nothing
             self._check_id(b)
+            if self._ref_count[b] == 0 and not self._cached[b]:
+                raise ValueError(f"block {b} is free; only cached or in-use blocks can gain a holder")
+        for b in block_ids:
             rc = self._ref_count[b]
             if rc == 0:
-                if not self._cached[b]:
-                    raise ValueError(f"block {b} is free; only cached or in-use blocks can gain a holder")
                 self._num_cached_idle -= 1
                 self._num_referenced += 1
                 self._referenced_fill += self._fill[b]
@@ -165,11 +171,23 @@ class BlockPool:
 
     def set_fill(self, block_id: int, num_tokens: int) -> None:
         """Record how many of the block's token slots hold a token (for fragmentation)."""
+        self._check_id(block_id)
         if not 0 <= num_tokens <= self.block_size:
             raise ValueError(f"fill must be in [0, {self.block_size}], got {num_tokens}")
         if self._ref_count[block_id] > 0:
             self._referenced_fill += num_tokens - self._fill[block_id]
         self._fill[block_id] = num_tokens
+
+    def raise_fill(self, block_id: int, num_tokens: int) -> None:
+        """Record that at least ``num_tokens`` of the block's slots hold a token (never lowers it)."""
+        self._check_id(block_id)
+        fill = self._fill[block_id]
+        if num_tokens > fill:
+            if num_tokens > self.block_size:
+                raise ValueError(f"fill must be in [0, {self.block_size}], got {num_tokens}")
+            if self._ref_count[block_id] > 0:
+                self._referenced_fill += num_tokens - fill
+            self._fill[block_id] = num_tokens
 
     # ------------------------------------------------------------------ prefix-cache hooks
     def mark_cached(self, block_id: int) -> None:
@@ -209,6 +227,8 @@ class BlockPool:
         assert fill == self._referenced_fill, (fill, self._referenced_fill)
 
     def _check_id(self, block_id: int) -> None:
+        if type(block_id) is int and 0 <= block_id < self.num_blocks:
+            return  # the common case, checked first: this runs on every per-step lookup
         if isinstance(block_id, bool) or not isinstance(block_id, (int, np.integer)) or not (
             0 <= block_id < self.num_blocks
         ):

@@ -60,26 +60,39 @@ class KVCacheManager:
         first and the request's computed tokens jump to the end of the hit.
         Returns False, changing nothing, when the pool cannot supply the blocks.
         """
-        hit_blocks = hit.block_ids if hit is not None else ()
-        if hit_blocks and request.block_ids:
-            raise ValueError(f"request {request.request_id!r} already holds blocks; a prefix hit applies only at admission")
-        # Locking an idle cached block takes it out of the free count just like a fresh one.
-        idle_hits = sum(1 for b in hit_blocks if self.pool.ref_count(b) == 0)
-        needed = self.num_blocks_needed(request, num_new_tokens, len(hit_blocks)) + idle_hits
-        if not self.pool.can_allocate(needed):
-            return False
-        if hit_blocks:
-            self.pool.incref(hit_blocks)  # lock before any allocation can evict them
-            request.block_ids.extend(hit_blocks)
+        if num_new_tokens == 1 and hit is None:
+            # Fast path for most decodes: the token lands inside a private, partly filled block.
+            index, offset = divmod(request.num_computed_tokens, self.block_size)
+            if offset:
+                block = request.block_ids[index]
+                if self.pool.ref_count(block) == 1:
+                    self.pool.raise_fill(block, offset + 1)
+                    return True
+        if hit is not None and hit.block_ids:
+            if request.block_ids:
+                raise ValueError(
+                    f"request {request.request_id!r} already holds blocks; a prefix hit applies only at admission"
+                )
+            # Locking an idle cached block takes it out of the free count just like a fresh one.
+            idle_hits = sum(1 for b in hit.block_ids if self.pool.ref_count(b) == 0)
+            if self.num_blocks_needed(request, num_new_tokens, len(hit.block_ids)) + idle_hits > self.pool.num_free_blocks:
+                return False
+            self.pool.incref(hit.block_ids)  # lock before any allocation can evict them
+            request.block_ids.extend(hit.block_ids)
             request.num_computed_tokens = request.num_cached_tokens = hit.num_tokens
-            request.num_inserted_blocks = len(hit_blocks)
-        if self._needs_copy(request, num_new_tokens):
-            self._copy_on_write(request)
-        end = request.num_computed_tokens + num_new_tokens
+            request.num_inserted_blocks = len(hit.block_ids)
+        start = request.num_computed_tokens
+        end = start + num_new_tokens
         missing = cdiv(end, self.block_size) - len(request.block_ids)
-        if missing > 0:
-            request.block_ids.extend(self.pool.allocate(missing))
-        self._update_fill(request, request.num_computed_tokens, end)
+        copy = self._needs_copy(request, num_new_tokens)
+        if missing > 0 or copy:
+            if max(missing, 0) + copy > self.pool.num_free_blocks:
+                return False
+            if copy:
+                self._copy_on_write(request)
+            if missing > 0:
+                request.block_ids.extend(self.pool.allocate(missing))
+        self._update_fill(request, start, end)
         return True
 
     def _needs_copy(self, request: Request, num_new_tokens: int) -> bool:
@@ -101,11 +114,9 @@ class KVCacheManager:
 
     def _update_fill(self, request: Request, start: int, end: int) -> None:
         bs = self.block_size
+        blocks = request.block_ids
         for index in range(start // bs, cdiv(end, bs)):
-            block = request.block_ids[index]
-            filled = min(end - index * bs, bs)
-            if filled > self.pool.fill(block):
-                self.pool.set_fill(block, filled)
+            self.pool.raise_fill(blocks[index], min(end - index * bs, bs))
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         """(src, dst) block copies the runner must perform before this step's KV writes."""
@@ -120,7 +131,11 @@ class KVCacheManager:
         num_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
         if num_full <= request.num_inserted_blocks:
             return
-        self.prefix_cache.insert(request.all_token_ids, request.block_ids[:num_full], request.namespace)
+        # Resume after the blocks already offered: re-walking the whole prefix every time a
+        # block fills would cost O(context) per decode block.
+        self.prefix_cache.insert(
+            request.all_token_ids, request.block_ids[:num_full], request.namespace, start_block=request.num_inserted_blocks
+        )
         request.num_inserted_blocks = num_full
 
     # ------------------------------------------------------------------ release

@@ -104,14 +104,14 @@ def build_step_metadata(
     np.cumsum(query_lens, out=query_start_loc[1:])
     num_tokens = int(query_start_loc[-1])
 
-    # Tokens: one slice per sequence (decodes are a single int), joined in C.
-    input_ids = np.fromiter(
-        itertools.chain.from_iterable(
-            r.all_token_ids[c : c + n] for r, c, n in zip(requests, computed.tolist(), query_lens.tolist())
-        ),
-        dtype=np.int64,
-        count=num_tokens,
-    )
+    # Tokens: a decode contributes one int (no slice object), a prefill one slice.
+    ids: list[int] = []
+    for r, c, n in zip(requests, computed.tolist(), query_lens.tolist()):
+        if n == 1:
+            ids.append(r.all_token_ids[c])
+        else:
+            ids += r.all_token_ids[c : c + n]
+    input_ids = np.array(ids, dtype=np.int64).reshape(num_tokens)
 
     # Padded block table: per-block work only (never per token).
     blocks_per_seq = np.fromiter((len(r.block_ids) for r in requests), dtype=np.int64, count=num_seqs)

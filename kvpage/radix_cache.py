@@ -110,22 +110,46 @@ class RadixCache:
         self.num_hit_tokens += num_hit_tokens
 
     # ------------------------------------------------------------------ insertion
-    def insert(self, tokens: Sequence[int], block_ids: Sequence[int], namespace: Hashable = None) -> int:
+    def insert(
+        self, tokens: Sequence[int], block_ids: Sequence[int], namespace: Hashable = None, start_block: int = 0
+    ) -> int:
         """Cache the full blocks ``block_ids`` holding ``tokens[: len(block_ids) * block_size]``.
 
-        The blocks must be in use (locked) by the caller. Where a node already exists for a
-        block's tokens, the existing block is kept and the caller's duplicate stays uncached.
-        Returns the number of blocks newly cached.
+        The blocks must be in use (locked) by the caller. Where a node already holds a
+        different block for the same tokens (two requests computed the same prefix at once),
+        the existing block is kept and insertion stops there: the caller's duplicate and
+        every block after it stay uncached. Returns the number of blocks newly cached.
+
+        ``start_block`` resumes an earlier insert of the same sequence by the same holder:
+        ``block_ids[:start_block]`` were offered already, so the walk starts under
+        ``block_ids[start_block - 1]`` (nothing is added if that block did not get cached).
         """
         if len(tokens) < len(block_ids) * self.block_size:
             raise ValueError(f"{len(block_ids)} full blocks need {len(block_ids) * self.block_size} tokens, got {len(tokens)}")
-        node = self._roots.get(namespace)
-        if node is None:
-            node = self._roots[namespace] = _Node(None, None, None)
         now = next(self._clock)
+        if start_block > 0:
+            node = self._node_of_block.get(block_ids[start_block - 1])
+            if node is None:
+                return 0  # an earlier insert stopped before this block; it stops there again
+            ancestor = node
+            while ancestor.block_id is not None:  # the path is in use again: touch it for LRU
+                ancestor.last_access = now
+                ancestor = ancestor.parent
+        else:
+            node = self._roots.get(namespace)
+            if node is None:
+                node = self._roots[namespace] = _Node(None, None, None)
         added = 0
-        for key, block_id in zip(self._block_keys(tokens, len(block_ids)), block_ids):
+        bs = self.block_size
+        for index in range(start_block, len(block_ids)):
+            key = tuple(tokens[index * bs : (index + 1) * bs])
+            block_id = block_ids[index]
             child = node.children.get(key)
+            if child is not None and child.block_id != block_id:
+                # Hanging our next block under someone else's would let that block go idle
+                # (counted as free) while an in-use child pins it: eviction only takes
+                # leaves, so the pool would promise blocks it cannot produce.
+                break
             if child is None:
                 if block_id in self._node_of_block:
                     # Already cached under another prefix: one block cannot have two identities.
@@ -147,6 +171,13 @@ class RadixCache:
 
     def _push(self, node: _Node) -> None:
         heapq.heappush(self._heap, (node.last_access, next(self._tiebreak), node))
+        # Stale entries are dropped only when popped, and without memory pressure nothing
+        # pops: rebuild once they dominate, so the heap stays O(cached blocks), amortized O(1).
+        if len(self._heap) > 2 * len(self._node_of_block) + 64:
+            self._heap = [
+                (n.last_access, next(self._tiebreak), n) for n in self._node_of_block.values() if self._is_idle_leaf(n)
+            ]
+            heapq.heapify(self._heap)
 
     def _is_idle_leaf(self, node: _Node) -> bool:
         return (
@@ -201,6 +232,10 @@ class RadixCache:
                 assert len(key) == self.block_size
                 assert self._node_of_block.get(child.block_id) is child
                 assert self.pool.is_cached(child.block_id)
+                if node.block_id is not None and self.pool.ref_count(child.block_id) > 0:
+                    # Holders take whole prefixes, so an idle block never has an in-use child
+                    # (which would make it counted as free yet unevictable).
+                    assert self.pool.ref_count(node.block_id) > 0, f"idle block {node.block_id} has an in-use child"
                 if not child.children and self.pool.ref_count(child.block_id) == 0:
                     assert id(child) in queued, f"idle leaf block {child.block_id} is not evictable"
                 seen += 1

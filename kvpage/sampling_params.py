@@ -43,8 +43,16 @@ class SamplingParams:
     priority: int = 0
 
     def __post_init__(self) -> None:
-        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        self.stop_token_ids = tuple(self.stop_token_ids or ())
+        # Normalize, but let a non-iterable surface as the ValueError naming the field
+        # rather than a bare TypeError from list()/tuple().
+        try:
+            self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        except TypeError:
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}") from None
+        try:
+            self.stop_token_ids = tuple(self.stop_token_ids or ())
+        except TypeError:
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}") from None
         self._validate()
 
     @property
@@ -80,6 +88,8 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         if not is_int(self.min_tokens) or self.min_tokens < 0:
             raise ValueError(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
             raise ValueError(f"logprobs must be a non-negative integer or None, got {self.logprobs!r}")
         if not is_int(self.priority):

@@ -1,9 +1,11 @@
 """Iteration-level scheduler: decides, once per model step, which tokens run.
 
 Policy per step (``max_num_batched_tokens`` is the token budget):
-  1. Running requests first, oldest first: one token per decode, or the next chunk of a
-     partially prefilled prompt. When blocks run out, the newest running request is
-     preempted (its blocks freed, to be recomputed later) until the older one fits.
+  1. Running requests first: every decode (one token each), then the next chunk of each
+     partially computed prompt, each group in scheduling order (``Request.sort_key``), so a
+     long prefill never starves running decodes. When blocks run out, the newest running
+     request not yet scheduled this step is preempted (its blocks freed, to be recomputed
+     later) until the current one fits.
   2. If nothing was preempted, waiting requests are admitted in order while the budget,
      ``max_num_seqs`` and the pool allow. Each consults the prefix cache first, so cached
      tokens are never recomputed. Without chunked prefill a prompt runs whole or waits.
@@ -12,6 +14,8 @@ The mechanics of blocks live in ``KVCacheManager``; this module only picks who r
 """
 from __future__ import annotations
 
+import bisect
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Hashable, Optional, Sequence
@@ -26,6 +30,10 @@ from .radix_cache import RadixCache
 from .request import FinishReason, Request, RequestStatus
 from .sampling_params import SamplingParams
 from .waiting_queue import WaitingQueue
+
+
+def _sort_key(request: Request) -> tuple:
+    return request.sort_key
 
 
 class QueueFullError(RuntimeError):
@@ -58,7 +66,7 @@ class Scheduler:
         self.prefix_cache = RadixCache(self.pool) if cache_config.enable_prefix_caching else None
         self.kv = KVCacheManager(self.pool, self.prefix_cache)
         self.waiting = WaitingQueue(scheduler_config.policy)
-        self.running: list[Request] = []
+        self.running: list[Request] = []  # kept sorted by sort_key (insort), never re-sorted per step
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.num_thrash_pins = 0  # requests pinned against further preemption
@@ -84,11 +92,12 @@ class Scheduler:
                 f"request {request.request_id!r}: prompt of {request.num_tokens} tokens leaves no room "
                 f"to generate within max_model_len={max_len}"
             )
-        worst_case = min(request.num_tokens + request.sampling_params.max_tokens, max_len)
+        # The last token is sampled but never fed back, so its KV is never stored.
+        worst_case = min(request.num_tokens + request.sampling_params.max_tokens, max_len) - 1
         blocks = cdiv(worst_case, self.block_size)
         if blocks > self.pool.num_blocks:
             raise ValueError(
-                f"request {request.request_id!r}: up to {worst_case} tokens need {blocks} KV blocks, "
+                f"request {request.request_id!r}: up to {worst_case} KV tokens need {blocks} blocks, "
                 f"but the pool has only {self.pool.num_blocks} ({self.pool.num_blocks * self.block_size} tokens)"
             )
 
@@ -125,18 +134,22 @@ class Scheduler:
         scheduled: list[tuple[Request, int]] = []
         preempted: list[Request] = []
 
-        self.running.sort(key=lambda r: r.sort_key)
-        index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
+        decodes: list[Request] = []
+        prefills: list[Request] = []
+        for request in self.running:
+            (decodes if request.num_uncomputed_tokens == 1 else prefills).append(request)
+        for request in itertools.chain(decodes, prefills):
+            if budget == 0:
+                break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this step as a victim
             num_new = request.num_uncomputed_tokens
             if chunked:
                 num_new = min(num_new, budget)
             if num_new == 0 or num_new > budget:
-                index += 1
                 continue
             while not self.kv.allocate_slots(request, num_new):
-                victim = self._pick_victim(index)
+                victim = self._pick_victim(scheduled)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:
@@ -144,18 +157,15 @@ class Scheduler:
             else:
                 scheduled.append((request, num_new))
                 budget -= num_new
-                index += 1
-                continue
-            # The request preempted itself: no older work is left to serve this step.
-            break
 
         if not preempted:
             budget = self._admit_waiting(scheduled, budget, chunked)
         return self._emit(scheduled, preempted)
 
-    def _pick_victim(self, current: int) -> Request:
+    def _pick_victim(self, scheduled: list[tuple[Request, int]]) -> Request:
         """Newest running request not yet scheduled this step, sparing pinned ones if possible."""
-        candidates = self.running[current:]
+        taken = {id(r) for r, _ in scheduled}
+        candidates = [r for r in self.running if id(r) not in taken]
         unpinned = [r for r in candidates if r.num_preemptions < self.config.max_preemptions_before_pin]
         pool = unpinned or candidates
         return max(pool, key=lambda r: r.sort_key)
@@ -174,10 +184,12 @@ class Scheduler:
             if not self.kv.allocate_slots(request, num_new, hit):
                 break
             self.waiting.pop()
-            if self.prefix_cache is not None:
+            if self.prefix_cache is not None and not request.prefix_queried:
+                # Count each request once: a recompute after preemption hits its own blocks.
+                request.prefix_queried = True
                 self.prefix_cache.record_query(request.num_tokens, hit.num_tokens)
             request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            bisect.insort(self.running, request, key=_sort_key)
             scheduled.append((request, num_new))
             budget -= num_new
         return budget
@@ -212,12 +224,14 @@ class Scheduler:
             raise ValueError(f"expected {seq_of_sample.shape[0]} sampled tokens, got {sampled.shape[0]}")
         token_of_seq: dict[int, int] = dict(zip(seq_of_sample.tolist(), sampled.tolist()))
         now = time.monotonic()
+        block_size = self.block_size
         finished: list[Request] = []
         for i, (request, num_new) in enumerate(zip(output.requests, output.num_new_tokens)):
             if request.status is not RequestStatus.RUNNING:
                 continue  # aborted or finished while the step ran
             request.num_computed_tokens += num_new
-            self.kv.cache_computed_blocks(request)
+            if request.num_computed_tokens // block_size > request.num_inserted_blocks:
+                self.kv.cache_computed_blocks(request)  # a block filled up (checked inline: hot loop)
             token = token_of_seq.get(i)
             if token is None:
                 continue  # a prefill chunk that produced no token
@@ -287,8 +301,9 @@ class Scheduler:
         child.first_token_time = parent.first_token_time
         self.kv.fork(parent, child)
         child.status = RequestStatus.RUNNING
+        child.prefix_queried = True  # its prompt was counted with the parent
         self.requests[child_id] = child
-        self.running.append(child)
+        bisect.insort(self.running, child, key=_sort_key)
         return child
 
     # ------------------------------------------------------------------ observability

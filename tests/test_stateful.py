@@ -1,0 +1,240 @@
+"""Stateful fuzz of the scheduler over a tiny pool (constant memory pressure).
+
+Random interleavings of add / step (a fake model sampling random tokens) / finish / abort /
+fork / evict, for every combination of prefix caching, chunked prefill and policy. After
+every rule the block accounting must balance; when the adds stop everything must drain
+and every block must come back.
+"""
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
+
+from kvpage import CacheConfig, FinishReason, RequestStatus, SamplingParams, Scheduler, SchedulerConfig
+
+BS = 4
+NUM_BLOCKS = 10  # 40 token slots: a few requests already exhaust it
+MAX_MODEL_LEN = 40
+MAX_SEQS = 4
+EOS = 0
+STOP = 5
+VOCAB = 8
+MAX_LIVE = 10
+DRAIN_STEPS = 3000
+PREFIXES = ([1, 2, 3, 4], [1, 2, 3, 4, 6, 7, 1, 2], [3, 3, 3, 3, 3, 3])  # shared prompt heads for cache hits
+
+EXAMPLES = 30
+STEPS_PER_EXAMPLE = 60
+CONFIGS = list(itertools.product((True, False), (True, False), ("fcfs", "priority")))
+MIN_TOTAL_OPS = 10_000
+
+totals = {"ops": 0, "steps": 0, "preemptions": 0, "hits": 0, "forks": 0, "copies": 0, "aborts": 0, "drained": 0}
+
+
+def machine_for(prefix: bool, chunked: bool, policy: str):
+    class SchedulerMachine(RuleBasedStateMachine):
+        def __init__(self) -> None:
+            super().__init__()
+            budget = 16 if chunked else MAX_MODEL_LEN  # without chunking a prompt must fit whole
+            self.s = Scheduler(
+                CacheConfig(block_size=BS, num_blocks=NUM_BLOCKS, enable_prefix_caching=prefix),
+                SchedulerConfig(
+                    max_num_seqs=MAX_SEQS,
+                    max_num_batched_tokens=budget,
+                    max_model_len=MAX_MODEL_LEN,
+                    enable_chunked_prefill=chunked,
+                    policy=policy,
+                    max_preemptions_before_pin=2,
+                ),
+            )
+            self.ids = itertools.count()
+            self.family: dict[str, str] = {}  # request id -> id of the request it was forked from (root)
+            self.admitted: list = []
+            self.rng = random.Random(0)
+
+        # ------------------------------------------------------------------ helpers
+        def live(self) -> list[str]:
+            return sorted(self.s.requests)
+
+        def run_step(self, seed: int) -> None:
+            s = self.s
+            running_before = {id(r) for r in s.running}
+            out = s.schedule()
+            meta = out.metadata
+            budget = s.config.max_num_batched_tokens
+            assert sum(out.num_new_tokens) == meta.num_tokens <= budget
+            assert meta.num_seqs == len(out.requests) <= MAX_SEQS
+            assert all(n > 0 for n in out.num_new_tokens)
+            assert len({id(r) for r in out.requests}) == len(out.requests)
+            for r in out.requests:
+                assert r.status is RequestStatus.RUNNING
+            for r in out.preempted:
+                assert id(r) in running_before and r.status is RequestStatus.WAITING and not r.block_ids
+                assert r not in out.requests
+            if out.preempted:
+                # Preempted requests wait at the head of the line (priority: ahead of any
+                # request that ranks after them).
+                head = s.waiting.peek()
+                assert head is not None and head.sort_key <= min(r.sort_key for r in out.preempted)
+            slots = meta.slot_mapping.tolist()
+            assert len(set(slots)) == len(slots), "two tokens of one step write the same KV slot"
+            for i, r in enumerate(out.requests):  # slots follow the block tables
+                start, end = int(meta.query_start_loc[i]), int(meta.query_start_loc[i + 1])
+                for row in range(start, end):
+                    p = int(meta.positions[row])
+                    assert p == r.num_computed_tokens + row - start
+                    assert slots[row] == r.block_ids[p // BS] * BS + p % BS
+            for src, dst in meta.block_copies.tolist():
+                assert src != dst and any(dst in r.block_ids for r in out.requests)
+            totals["copies"] += len(meta.block_copies)
+            totals["preemptions"] += len(out.preempted)
+            totals["steps"] += 1
+            rng = random.Random(seed)
+            tokens = [rng.randrange(VOCAB) for _ in range(meta.sample_seq_indices.shape[0])]
+            s.update_from_output(out, tokens)
+
+        def count_op(self) -> None:
+            totals["ops"] += 1
+
+        # ------------------------------------------------------------------ rules
+        @precondition(lambda self: len(self.s.requests) < MAX_LIVE)
+        @rule(
+            head=st.sampled_from(PREFIXES + ([],)),
+            tail=st.lists(st.integers(1, VOCAB - 1), max_size=24),
+            max_tokens=st.integers(1, 16),
+            priority=st.integers(0, 3),
+            ignore_eos=st.booleans(),
+            use_stop=st.booleans(),
+        )
+        def add(self, head, tail, max_tokens, priority, ignore_eos, use_stop):
+            self.count_op()
+            prompt = list(head) + tail or [1]
+            rid = f"r{next(self.ids)}"
+            sp = SamplingParams(
+                max_tokens=max_tokens, priority=priority, ignore_eos=ignore_eos, stop_token_ids=[STOP] if use_stop else []
+            )
+            worst_kv = min(len(prompt) + max_tokens, MAX_MODEL_LEN) - 1
+            fits = len(prompt) < MAX_MODEL_LEN and -(-worst_kv // BS) <= NUM_BLOCKS
+            if not fits:
+                with pytest.raises(ValueError):
+                    self.s.make_request(rid, prompt, sp, eos_token_id=EOS)
+                return
+            req = self.s.make_request(rid, prompt, sp, eos_token_id=EOS)
+            self.family[rid] = rid
+            self.admitted.append(req)
+
+        @rule(seed=st.integers(0, 2**31 - 1))
+        def step(self, seed):
+            self.count_op()
+            self.run_step(seed)
+
+        @rule(seed=st.integers(0, 2**31 - 1), n=st.integers(2, 6))
+        def steps(self, seed, n):
+            self.count_op()
+            for i in range(n):
+                self.run_step(seed + i)
+
+        @precondition(lambda self: self.s.requests)
+        @rule(data=st.data())
+        def finish(self, data):
+            self.count_op()
+            rid = data.draw(st.sampled_from(self.live()))
+            r = self.s.finish_request(rid, FinishReason.STOP)
+            assert r.is_finished and not r.block_ids and rid not in self.s.requests
+
+        @precondition(lambda self: self.s.requests)
+        @rule(data=st.data())
+        def abort(self, data):
+            self.count_op()
+            rid = data.draw(st.sampled_from(self.live()))
+            assert self.s.abort(rid) and not self.s.abort(rid)
+            totals["aborts"] += 1
+
+        @rule()
+        def abort_unknown(self):
+            self.count_op()
+            assert not self.s.abort("no-such-request")
+
+        @precondition(lambda self: self.s.running and len(self.s.running) < MAX_SEQS and len(self.s.requests) < MAX_LIVE)
+        @rule(data=st.data())
+        def fork(self, data):
+            self.count_op()
+            parent = data.draw(st.sampled_from(sorted(self.s.running, key=lambda r: r.request_id)))
+            rid = f"f{next(self.ids)}"
+            child = self.s.fork_request(parent.request_id, rid)
+            assert child.block_ids == parent.block_ids and child.all_token_ids == parent.all_token_ids
+            self.family[rid] = self.family[parent.request_id]
+            self.admitted.append(child)
+            totals["forks"] += 1
+
+        @precondition(lambda self: self.s.prefix_cache is not None)
+        @rule(k=st.integers(1, NUM_BLOCKS))
+        def evict(self, k):
+            self.count_op()
+            pool = self.s.pool
+            free_before, cached_before = pool.num_free_blocks, pool.num_cached_blocks
+            evicted = self.s.prefix_cache.evict(k)
+            assert 0 <= evicted <= k and pool.num_cached_blocks == cached_before - evicted
+            assert pool.num_free_blocks == free_before  # idle cached blocks already counted as free
+
+        # ------------------------------------------------------------------ invariants
+        @invariant()
+        def accounting_balances(self):
+            s = self.s
+            s.check_integrity()  # pool + cache + (holders == ref counts)
+            pool = s.pool
+            assert pool.num_free_blocks + pool.num_used_blocks == pool.num_blocks
+            assert len(s.running) <= MAX_SEQS
+            assert len(s.waiting) + len(s.running) == len(s.requests)
+            holders: dict[int, set[str]] = {}
+            for r in s.requests.values():
+                assert r.status in (RequestStatus.WAITING, RequestStatus.RUNNING)
+                assert len(r.block_ids) == -(-r.num_computed_tokens // BS) or r.num_computed_tokens == 0 == len(r.block_ids)
+                for b in r.block_ids:
+                    holders.setdefault(b, set()).add(r.request_id)
+            for b, who in holders.items():
+                if len(who) > 1 and not pool.is_cached(b):
+                    assert len({self.family[w] for w in who}) == 1, f"block {b} shared by unrelated {who}"
+
+        def teardown(self):
+            s = self.s
+            for _ in range(DRAIN_STEPS):
+                if not s.has_unfinished_requests():
+                    break
+                self.run_step(self.rng.randrange(2**31))
+                s.check_integrity()
+            assert not s.has_unfinished_requests(), f"starved: {s.requests}"
+            assert all(r.is_finished for r in self.admitted)
+            assert s.pool.num_free_blocks == s.pool.num_blocks and s.pool.num_used_blocks == 0
+            if s.prefix_cache is not None:
+                totals["hits"] += s.prefix_cache.num_hit_tokens
+                s.prefix_cache.reset()
+                assert s.pool.num_cached_blocks == 0
+            s.check_integrity()
+            totals["drained"] += 1
+
+    SchedulerMachine.__name__ = f"Machine_prefix{prefix}_chunked{chunked}_{policy}"
+    return SchedulerMachine
+
+
+def test_scheduler_state_machine_all_configs():
+    cfg = settings(
+        max_examples=EXAMPLES,
+        stateful_step_count=STEPS_PER_EXAMPLE,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+        derandomize=True,
+        database=None,
+    )
+    for prefix, chunked, policy in CONFIGS:
+        run_state_machine_as_test(machine_for(prefix, chunked, policy), settings=cfg)
+    assert totals["ops"] >= MIN_TOTAL_OPS, totals
+    # The fuzz must actually reach the interesting paths.
+    assert totals["preemptions"] > 0 and totals["forks"] > 0 and totals["copies"] > 0, totals
+    assert totals["hits"] > 0 and totals["aborts"] > 0, totals
+    assert totals["drained"] >= len(CONFIGS) * EXAMPLES // 2, totals
