@@ -1,7 +1,8 @@
-"""Attention backends the HF adapter can run on, behind one small protocol.
+"""Attention backends the HF adapter can run on, behind one small protocol
+(``prepare`` once per step, then ``write_kv`` and ``attention`` per layer).
 
-``ReferenceBackend`` runs the numpy oracle (slow; for checking). ``select_backend``
-picks the fast path for the KV buffers' device.
+``CpuBackend`` is the fast CPU path, ``CudaBackend`` the Numba kernels on GPU, and
+``ReferenceBackend`` the numpy oracle (slow; for checking).
 """
 from __future__ import annotations
 
@@ -66,8 +67,84 @@ class ReferenceBackend:
         return torch.from_numpy(out).to(device=q.device, dtype=q.dtype)
 
 
+class CpuBackend:
+    """The measured-fastest CPU path (``kvpage.attention.cpu``): numba decode, torch prefill."""
+
+    name = "cpu"
+
+    def prepare(self, metadata: Any):
+        from kvpage.attention.cpu import prepare_cpu_attention_metadata
+
+        return prepare_cpu_attention_metadata(metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
+                                              slot_mapping=metadata.slot_mapping)
+
+    def write_kv(self, key_cache, value_cache, k, v, prepared) -> None:
+        from kvpage.attention.cpu import write_kv_cpu
+
+        write_kv_cpu(key_cache, value_cache, k, v, metadata=prepared)
+
+    def attention(self, q, key_cache, value_cache, prepared, scaling: float, sliding_window: Optional[int],
+                  softcap: Optional[float], sinks: Optional[torch.Tensor]):
+        from kvpage.attention.cpu import paged_attention_cpu
+
+        return paged_attention_cpu(q, key_cache, value_cache, scaling=scaling, sliding_window=sliding_window,
+                                   softcap=softcap, sinks=sinks, metadata=prepared)
+
+
+@dataclass(slots=True)
+class CudaIndices:
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    num_decodes: int
+    max_query_len: int
+    max_seq_len: int
+
+
+class CudaBackend:
+    """Numba CUDA kernels (``kvpage.cuda``) on the caller's current torch stream."""
+
+    name = "cuda"
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def prepare(self, metadata: Any) -> CudaIndices:
+        as_dev = lambda a, dt: torch.as_tensor(np.asarray(a), dtype=dt).to(self.device, non_blocking=True)  # noqa: E731
+        return CudaIndices(as_dev(metadata.slot_mapping, torch.int64), as_dev(metadata.query_start_loc, torch.int32),
+                           as_dev(metadata.seq_lens, torch.int32), as_dev(metadata.block_tables, torch.int32),
+                           int(metadata.num_decodes), int(metadata.max_query_len), int(metadata.max_seq_len))
+
+    def write_kv(self, key_cache, value_cache, k, v, prepared: CudaIndices) -> None:
+        from kvpage.cuda import store_kv
+
+        store_kv(key_cache, value_cache, k.contiguous(), v.contiguous(), prepared.slot_mapping)
+
+    def attention(self, q, key_cache, value_cache, prepared: CudaIndices, scaling: float,
+                  sliding_window: Optional[int], softcap: Optional[float], sinks: Optional[torch.Tensor]):
+        from kvpage.cuda import paged_attention
+
+        return paged_attention(q.contiguous(), key_cache, value_cache, prepared.query_start_loc, prepared.seq_lens,
+                               prepared.block_tables, scaling, sliding_window, softcap,
+                               None if sinks is None else sinks.detach().float().contiguous(),
+                               num_decodes=prepared.num_decodes, max_query_len=prepared.max_query_len,
+                               max_seq_len=prepared.max_seq_len)
+
+
+BACKENDS = ("auto", "cpu", "cuda", "reference")
+
+
 def select_backend(name: str, device: torch.device):
-    """Backend by name: ``"auto"``, ``"reference"`` (more as they land)."""
-    if name in ("auto", "reference"):
+    """Backend by name; ``"auto"`` picks ``cuda`` on a GPU and ``cpu`` otherwise."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; expected one of {BACKENDS}")
+    if name == "auto":
+        name = "cuda" if device.type == "cuda" else "cpu"
+    if name == "reference":
         return ReferenceBackend(device)
-    raise ValueError(f"unknown attention backend {name!r}; expected 'auto' or 'reference'")
+    if name == "cuda":
+        if device.type != "cuda":
+            raise ValueError("the 'cuda' attention backend needs the model on a CUDA device")
+        return CudaBackend(device)
+    return CpuBackend()

@@ -8,10 +8,11 @@ import torch
 
 from kvpage.config import CacheConfig, SchedulerConfig
 from kvpage.engine import LLMEngine
+from kvpage.kv_storage import KVCacheSpec, PagedKVCache, determine_num_blocks
 from kvpage.sampler import Sampler
 
 from .attention_backends import select_backend
-from .hf_runner import HFModelRunner
+from .hf_runner import HFModelRunner, UnsupportedModelError
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,33 +57,40 @@ def eos_token_ids(model: torch.nn.Module, tokenizer: Any) -> list[int]:
     return found
 
 
-def _allocate_kv(runner: HFModelRunner, num_blocks: int, block_size: int) -> tuple[list, list]:
-    device, dtype = runner.device, runner.kv_dtype
-    keys, values = [], []
-    for shape in runner.layer_shapes:
-        dims = (num_blocks, block_size, shape.num_kv_heads, shape.head_dim)
-        keys.append(torch.zeros(dims, dtype=dtype, device=device))
-        values.append(torch.zeros(dims, dtype=dtype, device=device))
-    return keys, values
+def kv_cache_spec(runner: HFModelRunner, block_size: int) -> KVCacheSpec:
+    """One KV layout for all layers; models whose layers differ are refused."""
+    shapes = set(runner.layer_shapes)
+    if len(shapes) != 1:
+        raise UnsupportedModelError(f"layers have different KV shapes {sorted(shapes)}; kvpage needs one per model")
+    (shape,) = shapes
+    dtype = str(runner.kv_dtype).removeprefix("torch.")
+    return KVCacheSpec(len(runner.layer_shapes), shape.num_kv_heads, shape.head_dim, block_size, dtype)
 
 
-def _num_kv_blocks(runner: HFModelRunner, options: EngineOptions, max_model_len: int) -> int:
-    per_token = sum(2 * s.num_kv_heads * s.head_dim for s in runner.layer_shapes) * runner.kv_dtype.itemsize
-    per_block = per_token * options.block_size
-    if options.num_kv_blocks is not None:
-        return options.num_kv_blocks
-    if options.kv_cache_memory is not None:
-        budget = options.kv_cache_memory
-    else:
-        budget = min(options.max_num_seqs * min(max_model_len, 1024) * per_token, 2 << 30)
-    blocks = budget // per_block
-    needed = -(-max_model_len // options.block_size)
-    if blocks < max(1, needed):
-        raise ValueError(
-            f"KV budget of {budget} bytes holds {blocks} blocks of {per_block} bytes, but one request at "
-            f"max_model_len={max_model_len} needs {needed} blocks"
-        )
-    return int(blocks)
+def profile_gpu_memory(runner: HFModelRunner, num_tokens: int) -> dict:
+    """One forward of ``num_tokens`` tokens (attention stubbed) to measure peak activations, in bytes."""
+    device = runner.device
+    torch.cuda.synchronize(device)
+    used = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    runner.probe_forward(num_tokens)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - used
+    return {"total_device_bytes": torch.cuda.get_device_properties(device).total_memory,
+            "used_device_bytes": used, "peak_activation_bytes": peak}
+
+
+def size_kv_cache(runner: HFModelRunner, spec: KVCacheSpec, options: EngineOptions, max_model_len: int,
+                  step_tokens: int) -> int:
+    """Blocks for the KV cache: explicit count, byte budget, GPU profile, or the CPU default."""
+    measured = {}
+    on_gpu = runner.device.type == "cuda"
+    if on_gpu and options.num_kv_blocks is None and options.kv_cache_memory is None:
+        measured = profile_gpu_memory(runner, step_tokens)
+    return determine_num_blocks(spec, num_kv_blocks=options.num_kv_blocks, kv_cache_memory=options.kv_cache_memory,
+                                gpu_memory_utilization=options.gpu_memory_utilization,
+                                device="cuda" if on_gpu else "cpu", max_num_seqs=options.max_num_seqs,
+                                max_model_len=max_model_len, **measured)
 
 
 def build_hf_engine(model: torch.nn.Module, tokenizer: Any, options: EngineOptions) -> LLMEngine:
@@ -95,12 +103,14 @@ def build_hf_engine(model: torch.nn.Module, tokenizer: Any, options: EngineOptio
     budget = options.max_num_batched_tokens
     if not options.enable_chunked_prefill:
         budget = max(budget, max_model_len)  # a prompt must fit one step whole
-    cache_config = CacheConfig(options.block_size, _num_kv_blocks(runner, options, max_model_len),
+    spec = kv_cache_spec(runner, options.block_size)
+    cache_config = CacheConfig(options.block_size, size_kv_cache(runner, spec, options, max_model_len, budget),
                                options.enable_prefix_caching)
     scheduler_config = SchedulerConfig(options.max_num_seqs, budget, max_model_len,
                                        options.enable_chunked_prefill, max_waiting=options.max_waiting)
-    keys, values = _allocate_kv(runner, cache_config.num_blocks, cache_config.block_size)
-    runner.bind(keys, values, select_backend(options.attention_backend, runner.device))
+    storage = "cupy" if runner.device.type == "cuda" else "torch"
+    kv_cache = PagedKVCache(spec, cache_config.num_blocks, backend=storage)
+    runner.bind(kv_cache, select_backend(options.attention_backend, runner.device))
     vocab = int(model.get_output_embeddings().weight.shape[0]) if model.get_output_embeddings() is not None \
         else int(model.config.vocab_size)
     return LLMEngine(runner, Sampler(options.seed), tokenizer, cache_config, scheduler_config, vocab,

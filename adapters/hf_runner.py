@@ -69,44 +69,47 @@ class HFModelRunner:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         self.num_layers = int(model.config.num_hidden_layers)
         self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self.kv_cache: Any = None
         self.key_caches: list = []
         self.value_caches: list = []
         self.backend: Any = None
         self.layer_shapes, self.kv_dtype = self._probe_layers()
 
     def _probe_layers(self) -> tuple[list[LayerKVShape], torch.dtype]:
-        probe = _ProbeBackend()
-        layers = list(range(self.num_layers))
-        context = PagedForwardContext(layers, layers, probe, None)
-        ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
-        with torch.inference_mode(), paged_step():
-            self.model(input_ids=ids, position_ids=ids, use_cache=False, kvpage_context=context)
+        probe, context = self.probe_forward(1)
         if len(probe.shapes) != self.num_layers or context.layers_called != self.num_layers:
             self.restore()
             raise UnsupportedModelError(
                 f"{type(self.model).__name__}: only {context.layers_called} of {self.num_layers} layers called the "
                 "kvpage attention; the others bypass transformers' attention interface (or have no attention)"
             )
-        return [probe.shapes[i] for i in layers], probe.dtype
+        return [probe.shapes[i] for i in range(self.num_layers)], probe.dtype
 
-    def bind(self, key_caches: list, value_caches: list, backend: Any) -> None:
-        """Attach the paged buffers (one K and one V per layer) and the attention backend."""
-        if len(key_caches) != self.num_layers or len(value_caches) != self.num_layers:
-            raise ValueError(f"expected {self.num_layers} K and V buffers, got {len(key_caches)} and {len(value_caches)}")
-        self.key_caches, self.value_caches, self.backend = key_caches, value_caches, backend
+    def probe_forward(self, num_tokens: int) -> tuple["_ProbeBackend", PagedForwardContext]:
+        """A forward of ``num_tokens`` dummy tokens with attention stubbed out (shapes, memory)."""
+        probe = _ProbeBackend()
+        layers = list(range(self.num_layers))
+        context = PagedForwardContext(layers, layers, probe, None)
+        ids = torch.zeros((1, num_tokens), dtype=torch.long, device=self.device)
+        positions = torch.arange(num_tokens, device=self.device).unsqueeze(0)
+        with torch.inference_mode(), paged_step():
+            self.model(input_ids=ids, position_ids=positions, use_cache=False, kvpage_context=context,
+                       **({"logits_to_keep": 1} if self._takes_logits_to_keep else {}))
+        return probe, context
 
-    def copy_blocks(self, block_copies) -> None:
-        """Copy-on-write: duplicate whole blocks ``src -> dst`` in every layer."""
-        if len(block_copies) == 0:
-            return
-        pairs = torch.as_tensor(block_copies, dtype=torch.long, device=self.device)
-        for caches in (self.key_caches, self.value_caches):
-            for cache in caches:
-                cache[pairs[:, 1]] = cache[pairs[:, 0]]
+    def bind(self, kv_cache: Any, backend: Any) -> None:
+        """Attach the paged KV buffers (a ``PagedKVCache``) and the attention backend."""
+        if kv_cache.spec.num_layers != self.num_layers:
+            raise ValueError(f"expected a KV cache of {self.num_layers} layers, got {kv_cache.spec.num_layers}")
+        self.kv_cache = kv_cache
+        self.key_caches = [kv_cache.torch_key_cache(i) for i in range(self.num_layers)]
+        self.value_caches = [kv_cache.torch_value_cache(i) for i in range(self.num_layers)]
+        self.backend = backend
 
     @torch.inference_mode()
     def execute(self, metadata: Any) -> torch.Tensor:
-        self.copy_blocks(metadata.block_copies)
+        if len(metadata.block_copies):
+            self.kv_cache.copy_blocks(metadata.block_copies)  # copy-on-write, before any KV write
         device = self.device
         input_ids = torch.as_tensor(metadata.input_ids, device=device).unsqueeze(0)
         positions = torch.as_tensor(metadata.positions, device=device).unsqueeze(0)

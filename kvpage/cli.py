@@ -32,18 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_optional_subcommands(sub) -> None:
     """Subcommands that live in modules of their own register themselves here."""
-    try:
-        from .serve_cli import add_serve_parser
-    except ImportError:
-        pass
-    else:
-        add_serve_parser(sub)
-    try:
-        from .bench_cli import add_bench_parser
-    except ImportError:
-        pass
-    else:
-        add_bench_parser(sub)
+    from .serve_cli import add_serve_parser
+
+    add_serve_parser(sub)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

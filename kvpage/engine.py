@@ -67,6 +67,8 @@ class LLMEngine:
         self.num_step_errors = 0
         self._finished_outputs: dict[str, _Group] = {}
         self.step_stats = _StepStats()
+        self.num_prompt_tokens = 0  # tokens of accepted prompts
+        self.num_generation_tokens = 0  # tokens sampled for live requests
 
     # ------------------------------------------------------------------ intake
     def tokenize(self, prompt: Prompt) -> list[int]:
@@ -106,6 +108,7 @@ class LLMEngine:
                        RequestMetrics(arrival_time=request.arrival_time))
         self._add_sample(group, seq_id)
         self._groups[request_id] = group
+        self.num_prompt_tokens += len(token_ids)
         return request_id
 
     def _add_sample(self, group: _Group, seq_id: str) -> _Sample:
@@ -148,7 +151,9 @@ class LLMEngine:
             logits = self.runner.execute(output.metadata)
         except Exception as exc:  # noqa: BLE001 - a failed step must not take the engine down
             self.num_step_errors += 1
-            return self._fail(output.requests, f"model step failed: {type(exc).__name__}: {exc}")
+            deltas = self._fail(output.requests, f"model step failed: {type(exc).__name__}: {exc}")
+            self.scheduler.discard_step_cache(output)  # its KV was never (fully) written
+            return deltas
         return self._process(output, logits)
 
     def _process(self, output: SchedulerOutput, logits: Any) -> list[StreamDelta]:
@@ -157,19 +162,49 @@ class LLMEngine:
         rows = [output.requests[i] for i in output.metadata.sample_seq_indices.tolist()]
         finite = torch.isfinite(logits).all(dim=-1).tolist()
         deltas = self._fail([r for r, ok in zip(rows, finite) if not ok], "the model produced non-finite logits")
-        result = self.sampler.sample(torch.nan_to_num(logits), rows)
-        self.scheduler.update_from_output(output, result.token_ids)
+        if not all(finite):
+            self.scheduler.discard_step_cache(output)
+        logits = torch.nan_to_num(logits)
+        result = self.sampler.sample(logits, rows)
+        forks = self._plan_forks(rows, finite, logits)
+        self.scheduler.update_from_output(output, result.token_ids, {j: pairs for j, (_, pairs) in forks.items()})
         for j, request in enumerate(rows):
-            if not finite[j] or request.request_id not in self._seq_owner:
+            owner = self._seq_owner.get(request.request_id)
+            if not finite[j] or owner is None:
                 continue
+            child_result, pairs = forks.get(j, (None, ()))
+            for child, _ in pairs:  # registered first, so the group stays open until all n end
+                self._add_sample(owner[0], child.request_id)
             deltas.append(self._emit(request, int(result.token_ids[j]), result.logprobs[j],
                                      float(result.token_logprobs[j])))
+            for k, (child, token) in enumerate(pairs):
+                deltas.append(self._emit(child, int(token), child_result.logprobs[k],
+                                         float(child_result.token_logprobs[k])))
         return [d for d in deltas if d is not None]
+
+    def _plan_forks(self, rows: list[Request], finite: list[bool], logits: Any) -> dict:
+        """Parallel samples: at a group's first token, draw the other ``n - 1`` samples'
+        first tokens from the same logits row; the scheduler forks them off that row."""
+        forks: dict = {}
+        for j, request in enumerate(rows):
+            owner = self._seq_owner.get(request.request_id)
+            if owner is None or not finite[j] or request.num_output_tokens:
+                continue
+            group = owner[0]
+            n = group.params.n
+            if n == 1 or len(group.samples) > 1:
+                continue
+            children = [Request(f"{group.request_id}#{k}", group.prompt_token_ids, _child_params(request.sampling_params, k),
+                                request.eos_token_id, request.namespace) for k in range(1, n)]
+            result = self.sampler.sample(logits[j : j + 1].expand(n - 1, -1), children)
+            forks[j] = (result, list(zip(children, result.token_ids.tolist())))
+        return forks
 
     def _emit(self, request: Request, token: int, logprobs: Optional[dict], token_logprob: float) -> Optional[StreamDelta]:
         group, index = self._seq_owner[request.request_id]
         sample = group.samples[index]
         sample.token_ids.append(token)
+        self.num_generation_tokens += 1
         sample.cumulative_logprob += token_logprob
         if sample.logprobs is not None:
             sample.logprobs.append(logprobs)
@@ -228,6 +263,8 @@ class LLMEngine:
     def stats(self) -> dict:
         stats = self.scheduler.stats()
         stats["num_step_errors"] = self.num_step_errors
+        stats["prompt_tokens"] = self.num_prompt_tokens
+        stats["generation_tokens"] = self.num_generation_tokens
         stats.update(self.step_stats.summary())
         return stats
 
@@ -255,6 +292,14 @@ class _StepStats:
         return {"num_steps": self.num_steps, "mean_kv_cache_usage": self.usage_sum / steps,
                 "mean_kv_fragmentation": self.fragmentation_sum / steps,
                 "peak_kv_cache_usage": self.peak_usage, "peak_num_running": self.peak_running}
+
+
+def _child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Sample ``index`` of a group: one sample, its own seed derived from the group's."""
+    import dataclasses
+
+    seed = None if params.seed is None else params.seed + index
+    return dataclasses.replace(params, n=1, seed=seed)
 
 
 def _with_stop_ids(params: SamplingParams, extra: tuple) -> SamplingParams:

@@ -123,20 +123,28 @@ class KVCacheManager:
         copies, self._pending_copies = self._pending_copies, []
         return copies
 
-    # ------------------------------------------------------------------ after a step
-    def cache_computed_blocks(self, request: Request) -> None:
-        """Offer the request's newly completed full blocks to the prefix cache."""
+    # ------------------------------------------------------------------ prefix caching
+    def cache_scheduled_blocks(self, request: Request, num_new_tokens: int) -> list[int]:
+        """Offer the blocks this step fills to the prefix cache; return those newly cached.
+
+        Called at scheduling time, before the forward runs: every layer writes the whole
+        step's K/V before it attends, so a request admitted later in the same step may
+        already read these blocks. If the step fails, pass the returned blocks to
+        ``RadixCache.discard`` once their holders are gone.
+        """
         if self.prefix_cache is None:
-            return
-        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
-        if num_full <= request.num_inserted_blocks:
-            return
+            return []
+        num_full = min((request.num_computed_tokens + num_new_tokens) // self.block_size, len(request.block_ids))
+        start = request.num_inserted_blocks
+        if num_full <= start:
+            return []
         # Resume after the blocks already offered: re-walking the whole prefix every time a
         # block fills would cost O(context) per decode block.
-        self.prefix_cache.insert(
-            request.all_token_ids, request.block_ids[:num_full], request.namespace, start_block=request.num_inserted_blocks
+        added = self.prefix_cache.insert(
+            request.all_token_ids, request.block_ids[:num_full], request.namespace, start_block=start
         )
         request.num_inserted_blocks = num_full
+        return request.block_ids[start : start + added]
 
     # ------------------------------------------------------------------ release
     def free(self, request: Request) -> None:

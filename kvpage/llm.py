@@ -34,7 +34,8 @@ def _resolve_dtype(dtype: str, device):
     table = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
              "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
     if dtype == "auto":
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
+        # fp16 on GPU: the Numba kernels take fp16/fp32 (numpy and CuPy have no bfloat16).
+        return torch.float32 if device.type == "cpu" else torch.float16
     if dtype not in table:
         raise ValueError(f"dtype must be 'auto' or one of {sorted(table)}, got {dtype!r}")
     return table[dtype]

@@ -141,6 +141,12 @@ def build_step_metadata(
         sample_seq_indices=samples,
         block_copies=copies,
         block_size=block_size,
-        num_decodes=int(np.count_nonzero(query_lens == 1)),
+        num_decodes=_leading_decodes(query_lens),
         request_ids=[r.request_id for r in requests],
     )
+
+
+def _leading_decodes(query_lens: np.ndarray) -> int:
+    """Length of the leading run of query-length-1 sequences (decodes come first)."""
+    longer = np.flatnonzero(query_lens != 1)
+    return int(longer[0]) if longer.size else int(query_lens.shape[0])

@@ -204,6 +204,23 @@ class RadixCache:
         self.num_evicted_blocks += evicted
         return evicted
 
+    def discard(self, block_ids: Sequence[int]) -> int:
+        """Forget cached blocks whose KV turned out invalid (a failed step); return how many.
+
+        Only idle leaves can go: pass a sequence's blocks tail first. Blocks that are not
+        cached, still held, or still have children are skipped.
+        """
+        removed = 0
+        for block_id in block_ids:
+            node = self._node_of_block.get(block_id)
+            if node is not None and self._is_idle_leaf(node):
+                self._remove(node)
+                removed += 1
+                parent = node.parent
+                if parent.block_id is not None and self._is_idle_leaf(parent):
+                    self._push(parent)
+        return removed
+
     def _remove(self, node: _Node) -> None:
         del node.parent.children[node.key]
         del self._node_of_block[node.block_id]

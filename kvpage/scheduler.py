@@ -18,7 +18,7 @@ import bisect
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Hashable, Optional, Sequence
+from typing import Hashable, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -48,10 +48,18 @@ class SchedulerOutput:
     num_new_tokens: list[int]
     metadata: StepMetadata
     preempted: list[Request] = field(default_factory=list)
+    # Blocks entered into the prefix cache for this step, tail first; their KV is only
+    # valid once the step succeeds (see ``Scheduler.discard_step_cache``).
+    newly_cached_blocks: list[int] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
         return not self.requests
+
+
+def _seats(request: Request) -> int:
+    """Running slots a request will take: ``n`` before its first token (its samples fork then)."""
+    return request.sampling_params.n if request.num_output_tokens == 0 else 1
 
 
 class Scheduler:
@@ -71,6 +79,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_thrash_pins = 0  # requests pinned against further preemption
         self.num_steps = 0
+        self._step_cached: list[int] = []  # blocks cached while building the current step
 
     # ------------------------------------------------------------------ intake
     def add_request(self, request: Request) -> None:
@@ -78,6 +87,8 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self._check_fits(request)
+        if request.sampling_params.n > self.config.max_num_seqs:
+            raise ValueError(f"n={request.sampling_params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
         limit = self.config.max_waiting
         if limit is not None and len(self.waiting) >= limit:
             raise QueueFullError(f"the waiting queue is full ({limit} requests); retry later")
@@ -133,6 +144,7 @@ class Scheduler:
         chunked = self.config.enable_chunked_prefill
         scheduled: list[tuple[Request, int]] = []
         preempted: list[Request] = []
+        self._step_cached: list[int] = []
 
         decodes: list[Request] = []
         prefills: list[Request] = []
@@ -155,7 +167,7 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                scheduled.append((request, num_new))
+                self._schedule_one(scheduled, request, num_new)
                 budget -= num_new
 
         if not preempted:
@@ -175,6 +187,8 @@ class Scheduler:
             request = self.waiting.peek()
             if request is None:
                 break
+            if len(self.running) + _seats(request) > self.config.max_num_seqs:
+                break  # its parallel samples will fork into seats of their own
             hit = self.kv.match_prefix(request)
             num_new = request.num_tokens - hit.num_tokens
             if chunked:
@@ -190,7 +204,7 @@ class Scheduler:
                 self.prefix_cache.record_query(request.num_tokens, hit.num_tokens)
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=_sort_key)
-            scheduled.append((request, num_new))
+            self._schedule_one(scheduled, request, num_new)
             budget -= num_new
         return budget
 
@@ -201,7 +215,21 @@ class Scheduler:
         counts = [n for _, n in scheduled]
         metadata = build_step_metadata(requests, counts, self.block_size, self.kv.take_pending_copies())
         self.num_steps += 1
-        return SchedulerOutput(requests, counts, metadata, preempted)
+        return SchedulerOutput(requests, counts, metadata, preempted, self._step_cached[::-1])
+
+    def _schedule_one(self, scheduled: list[tuple[Request, int]], request: Request, num_new: int) -> None:
+        scheduled.append((request, num_new))
+        if (request.num_computed_tokens + num_new) // self.block_size > request.num_inserted_blocks:
+            self._step_cached.extend(self.kv.cache_scheduled_blocks(request, num_new))
+
+    def discard_step_cache(self, output: SchedulerOutput) -> int:
+        """After a failed step: forget the cache entries it created, now that their holders ended.
+
+        Call once the step's requests are finished; returns the number of blocks forgotten.
+        """
+        if self.prefix_cache is None:
+            return 0
+        return self.prefix_cache.discard(output.newly_cached_blocks)
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
@@ -214,36 +242,59 @@ class Scheduler:
         self.waiting.push_front(request)
 
     # ------------------------------------------------------------------ after the step
-    def update_from_output(self, output: SchedulerOutput, sampled_token_ids: Sequence[int]) -> list[Request]:
+    def update_from_output(self, output: SchedulerOutput, sampled_token_ids: Sequence[int],
+                           forks: Optional[Mapping[int, Sequence[tuple[Request, int]]]] = None) -> list[Request]:
         """Advance the step's requests. ``sampled_token_ids[j]`` belongs to
         ``output.metadata.sample_seq_indices[j]``. Returns the requests that finished.
+
+        ``forks[j]`` lists ``(child, token)`` pairs for sampled row ``j``: each fresh
+        ``child`` request starts as a copy of that row's sequence (sharing its blocks,
+        copy-on-write) with ``token`` as its first sampled token (parallel sampling, ``n > 1``).
         """
         sampled = np.asarray(sampled_token_ids, dtype=np.int64).reshape(-1)
         seq_of_sample = output.metadata.sample_seq_indices
         if sampled.shape[0] != seq_of_sample.shape[0]:
             raise ValueError(f"expected {seq_of_sample.shape[0]} sampled tokens, got {sampled.shape[0]}")
         token_of_seq: dict[int, int] = dict(zip(seq_of_sample.tolist(), sampled.tolist()))
+        row_of_seq = {seq: row for row, seq in enumerate(seq_of_sample.tolist())} if forks else {}
         now = time.monotonic()
-        block_size = self.block_size
         finished: list[Request] = []
         for i, (request, num_new) in enumerate(zip(output.requests, output.num_new_tokens)):
             if request.status is not RequestStatus.RUNNING:
                 continue  # aborted or finished while the step ran
             request.num_computed_tokens += num_new
-            if request.num_computed_tokens // block_size > request.num_inserted_blocks:
-                self.kv.cache_computed_blocks(request)  # a block filled up (checked inline: hot loop)
             token = token_of_seq.get(i)
             if token is None:
                 continue  # a prefill chunk that produced no token
-            request.all_token_ids.append(token)
-            if request.first_token_time is None:
-                request.first_token_time = now
-            request.last_token_time = now
-            reason = self._stop_reason(request, token)
-            if reason is not None:
-                self._finish(request, reason)
-                finished.append(request)
+            if forks:
+                for child, child_token in forks.get(row_of_seq[i], ()):
+                    self._attach_fork(request, child)
+                    self._append_token(child, child_token, now, finished)
+            self._append_token(request, token, now, finished)
         return finished
+
+    def _append_token(self, request: Request, token: int, now: float, finished: list[Request]) -> None:
+        request.all_token_ids.append(token)
+        if request.first_token_time is None:
+            request.first_token_time = now
+        request.last_token_time = now
+        reason = self._stop_reason(request, token)
+        if reason is not None:
+            self._finish(request, reason)
+            finished.append(request)
+
+    def _attach_fork(self, parent: Request, child: Request) -> None:
+        """Make ``child`` a running copy of ``parent`` that shares its blocks."""
+        if child.request_id in self.requests:
+            raise ValueError(f"request id {child.request_id!r} is already in use")
+        child.all_token_ids = list(parent.all_token_ids)
+        child.num_prompt_tokens = parent.num_prompt_tokens
+        child.arrival_time = parent.arrival_time
+        self.kv.fork(parent, child)
+        child.status = RequestStatus.RUNNING
+        child.prefix_queried = True  # its prompt was counted with the parent
+        self.requests[child.request_id] = child
+        bisect.insort(self.running, child, key=_sort_key)
 
     def _stop_reason(self, request: Request, token: int) -> Optional[FinishReason]:
         params = request.sampling_params
@@ -297,13 +348,8 @@ class Scheduler:
             raise ValueError(f"cannot fork {parent_id!r}: max_num_seqs={self.config.max_num_seqs} are running")
         child = Request(child_id, parent.prompt_token_ids, sampling_params or parent.sampling_params,
                         parent.eos_token_id, parent.namespace, parent.arrival_time)
-        child.all_token_ids = list(parent.all_token_ids)
         child.first_token_time = parent.first_token_time
-        self.kv.fork(parent, child)
-        child.status = RequestStatus.RUNNING
-        child.prefix_queried = True  # its prompt was counted with the parent
-        self.requests[child_id] = child
-        bisect.insort(self.running, child, key=_sort_key)
+        self._attach_fork(parent, child)
         return child
 
     # ------------------------------------------------------------------ observability

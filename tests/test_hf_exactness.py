@@ -75,7 +75,7 @@ def test_preemption_recompute_is_exact(family_model):
     prompts = _prompts(4, (9, 14, 6, 12, 10, 7))
     expected = [hf_greedy(model, p, MAX_NEW) for p in prompts]
     # 12 blocks of 4 tokens cannot hold six sequences of up to 24 tokens: preemption must happen.
-    got, stats = _run(model, prompts, block_size=4, num_kv_blocks=12, max_num_batched_tokens=16, max_model_len=64)
+    got, stats = _run(model, prompts, block_size=4, num_kv_blocks=12, max_num_batched_tokens=16, max_model_len=48)
     assert got == expected, family
     assert stats["num_preemptions"] > 0
 

@@ -15,10 +15,10 @@ def make(num_blocks: int = 16, prefix: bool = True):
 
 
 def run(kv: KVCacheManager, request: Request, num_new: int, hit=None) -> None:
-    """Allocate, then pretend the model ran: advance and offer full blocks to the cache."""
+    """Allocate and offer the blocks the step fills to the cache, then pretend the model ran."""
     assert kv.allocate_slots(request, num_new, hit)
+    kv.cache_scheduled_blocks(request, num_new)
     request.num_computed_tokens += num_new
-    kv.cache_computed_blocks(request)
 
 
 def test_allocate_slots_grows_the_table_block_by_block():
@@ -156,7 +156,7 @@ def test_copy_on_write_needs_a_free_block():
     assert kv.take_pending_copies() == [] and pool.ref_count(parent.block_ids[1]) == 2
 
 
-def test_cache_computed_blocks_inserts_chunk_by_chunk():
+def test_cache_scheduled_blocks_inserts_chunk_by_chunk():
     pool, cache, kv = make()
     r = Request("r", list(range(14)))
     run(kv, r, 5)

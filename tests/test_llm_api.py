@@ -163,3 +163,34 @@ def test_restore_gives_back_plain_generate():
     engine.restore()
     assert model.config._attn_implementation == "sdpa"
     assert hf_greedy(model, [3, 4, 5], 5) == before
+
+
+def test_parallel_samples_fork_and_share_prompt_blocks(llm):
+    prompt = "a prompt of exactly forty-one characters!"  # 41 tokens: 10 full blocks + 1 partial
+    params = SamplingParams(n=4, max_tokens=6, temperature=1.0, seed=5, ignore_eos=True)
+    engine = llm.engine
+    rid = engine.add_request(prompt, params)
+    while not engine.scheduler.running or engine.scheduler.running[0].num_output_tokens == 0:
+        engine.step()
+    # After the first token: 4 samples hold the 11 prompt blocks once, not four times.
+    samples = [engine.scheduler.requests[f"{rid}#{k}"] for k in range(4)]
+    shared = set(samples[0].block_ids[:10])
+    assert all(set(s.block_ids[:10]) == shared for s in samples)
+    assert llm.stats()["num_blocks"] - llm.stats()["num_free_blocks"] == 11
+    while engine.has_unfinished_requests():
+        engine.step()
+    (out,) = engine.take_finished().values()
+    assert [c.index for c in out.outputs] == [0, 1, 2, 3]
+    assert all(len(c.token_ids) == 6 for c in out.outputs)
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1  # different seeds, different samples
+    _assert_no_leak(llm)
+    again = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]  # seeded
+
+
+def test_prompts_admitted_together_share_their_common_prefix(llm):
+    shared = "shared system prompt of some length: "
+    outs = llm.generate([shared + "one", shared + "two", shared + "three"],
+                        SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
+    assert outs[0].metrics.num_cached_tokens == 0 or outs[0].metrics.num_cached_tokens % 4 == 0
+    assert all(o.metrics.num_cached_tokens >= (len(shared) // 4) * 4 for o in outs[1:])

@@ -328,7 +328,7 @@ def test_fork_respects_max_num_seqs():
 def test_stats_reports_counters():
     s = make(num_blocks=16)
     s.make_request("a", list(range(6)), params(max_tokens=3))
-    s.make_request("b", list(range(6)), params(max_tokens=3))
+    s.make_request("b", list(range(10, 16)), params(max_tokens=3))
     step(s)
     st = s.stats()
     assert st["num_blocks"] == 16 and st["num_running"] == 2 and st["num_waiting"] == 0
@@ -343,3 +343,30 @@ def test_empty_schedule():
     out = s.schedule()
     assert out.is_empty and out.metadata.num_tokens == 0 and out.metadata.num_seqs == 0
     assert s.update_from_output(out, []) == []
+
+
+def test_a_prefix_computed_in_this_step_is_shared_in_this_step():
+    """Every layer writes the step's K/V before attending, so b may read a's blocks at once."""
+    s = make(num_blocks=16)
+    s.make_request("a", list(range(10)), params(max_tokens=3))
+    s.make_request("b", list(range(10)) + [7], params(max_tokens=3))
+    out = s.schedule()
+    a, b = s.requests["a"], s.requests["b"]
+    assert b.block_ids[:2] == a.block_ids[:2] and b.num_cached_tokens == 8
+    assert out.num_new_tokens == [10, 3]
+    assert sorted(out.newly_cached_blocks) == sorted(a.block_ids[:2])
+    s.check_integrity()
+
+
+def test_a_failed_step_forgets_the_cache_entries_it_made():
+    s = make(num_blocks=16)
+    s.make_request("a", list(range(10)), params(max_tokens=3))
+    out = s.schedule()
+    assert s.prefix_cache.num_cached_blocks == 2
+    s.finish_request("a", FinishReason.ERROR, "boom")
+    assert s.discard_step_cache(out) == 2
+    assert s.prefix_cache.num_cached_blocks == 0 and s.pool.num_free_blocks == 16
+    s.make_request("b", list(range(10)), params(max_tokens=3))
+    s.schedule()
+    assert s.requests["b"].num_cached_tokens == 0  # nothing stale was served
+    s.check_integrity()

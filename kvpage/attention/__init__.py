@@ -14,6 +14,9 @@ Every backend implements the same two operations over paged KV buffers shaped
 
 ``reference`` is the plain implementation all others are tested against.
 """
+from .cpu import CPUAttentionMetadata, paged_attention_cpu, prepare_cpu_attention_metadata, write_kv_cpu
 from .reference import paged_attention_reference, write_kv_reference
 
-__all__ = ["paged_attention_reference", "write_kv_reference"]
+# ``cpu`` imports numpy only; its numba/torch backends load on first call.
+__all__ = ["paged_attention_reference", "write_kv_reference", "paged_attention_cpu", "write_kv_cpu",
+           "prepare_cpu_attention_metadata", "CPUAttentionMetadata"]

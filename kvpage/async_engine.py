@@ -1,0 +1,217 @@
+"""``AsyncLLM``: the engine on a background thread, driven from asyncio.
+
+One thread owns the ``LLMEngine`` and runs the step loop; every other coroutine talks
+to it through a command queue, so concurrent callers join the same continuous batch and
+the engine is never touched from two threads. Results flow back to each caller's event
+loop through ``call_soon_threadsafe`` into a per-request ``asyncio.Queue``.
+
+Contract of ``generate``: it yields ``StreamDelta`` objects as tokens are produced and,
+last, the request's final ``RequestOutput``. Cancelling the consumer (a client that
+disconnects) aborts the request, which frees its blocks.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable, Optional, Union
+
+from .engine import LLMEngine, Prompt
+from .outputs import RequestOutput, StreamDelta
+from .sampling_params import SamplingParams
+
+log = logging.getLogger("kvpage.async_engine")
+
+
+@dataclass
+class _Subscriber:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+class AsyncLLM:
+    """Thread-backed async front of an ``LLMEngine``. Start it once; stop with ``shutdown``."""
+
+    def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.05) -> None:
+        self.engine = engine
+        self._commands: "queue.Queue[Callable[[], None]]" = queue.Queue()
+        self._subscribers: dict[str, _Subscriber] = {}
+        self._ids = itertools.count()
+        self._idle_wait_s = idle_wait_s
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._stats: dict = engine.stats()
+        self.observers: list[Callable[[list[StreamDelta], dict[str, RequestOutput]], None]] = []
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> "AsyncLLM":
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="kvpage-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Abort everything in flight, stop the loop and join the thread."""
+        if self._thread is None:
+            return
+        self._call(self._abort_all, "the server is shutting down")
+        self._stop.set()
+        self._commands.put(lambda: None)  # wake the loop
+        self._thread.join(timeout_s)
+        self._thread = None
+
+    # ------------------------------------------------------------------ the thread
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._drain_commands(block=not self.engine.has_unfinished_requests())
+            self._stats = self.engine.stats()  # aborts and admissions change it even when idle
+            if self._stop.is_set() or not self.engine.has_unfinished_requests():
+                continue
+            try:
+                deltas = self.engine.step()
+                finished = self.engine.take_finished()
+            except Exception as exc:  # noqa: BLE001 - keep serving: fail what was in flight, go on
+                log.exception("engine step crashed")
+                self._abort_all(f"engine error: {type(exc).__name__}: {exc}")
+                continue
+            self._stats = self.engine.stats()
+            for observer in self.observers:
+                observer(deltas, finished)
+            self._dispatch(deltas, finished)
+
+    def _drain_commands(self, block: bool) -> None:
+        try:
+            command = self._commands.get(timeout=self._idle_wait_s) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            command()
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _dispatch(self, deltas: list[StreamDelta], finished: dict[str, RequestOutput]) -> None:
+        for delta in deltas:
+            self._send(delta.request_id, delta)
+        for request_id, output in finished.items():
+            self._send(request_id, output)
+            self._subscribers.pop(request_id, None)
+
+    def _send(self, request_id: str, item: Any) -> None:
+        sub = self._subscribers.get(request_id)
+        if sub is not None:
+            sub.loop.call_soon_threadsafe(sub.queue.put_nowait, item)
+
+    def _abort_all(self, message: str) -> None:
+        for request_id in list(self._subscribers):
+            self.engine.abort(request_id)
+            self._send(request_id, RuntimeError(message))
+        self._subscribers.clear()
+
+    def _call(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
+        """Run ``fn(*args)`` on the engine thread; the future carries its result or exception."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def command() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                future.set_exception(exc)
+
+        self._commands.put(command)
+        return future
+
+    # ------------------------------------------------------------------ public API
+    async def add_request(self, prompt: Prompt, params: Optional[SamplingParams] = None,
+                          request_id: Optional[str] = None) -> "RequestStream":
+        """Validate and queue a request on the engine thread; return its result stream.
+
+        Raises ``ValueError`` for bad input and ``QueueFullError`` when the waiting queue is full.
+        """
+        if not self.is_running:
+            raise RuntimeError("the engine is not running")
+        request_id = request_id or f"req-{next(self._ids)}"
+        sub = _Subscriber(asyncio.get_running_loop(), asyncio.Queue())
+
+        def submit() -> str:
+            rid = self.engine.add_request(prompt, params, request_id)
+            self._subscribers[rid] = sub
+            return rid
+
+        await asyncio.wrap_future(self._call(submit))
+        return RequestStream(self, request_id, sub.queue)
+
+    async def generate(self, prompt: Prompt, params: Optional[SamplingParams] = None,
+                       request_id: Optional[str] = None) -> AsyncIterator[Union[StreamDelta, RequestOutput]]:
+        """``add_request`` then iterate its stream (see the module docstring)."""
+        stream = await self.add_request(prompt, params, request_id)
+        async for item in stream:
+            yield item
+
+    def abort_nowait(self, request_id: str) -> None:
+        """Abort from any thread; takes effect before the engine's next step."""
+
+        def abort() -> None:
+            self._subscribers.pop(request_id, None)
+            self.engine.abort(request_id)
+
+        self._call(abort)
+
+    async def abort(self, request_id: str) -> bool:
+        def abort() -> bool:
+            self._subscribers.pop(request_id, None)
+            return self.engine.abort(request_id)
+
+        return await asyncio.wrap_future(self._call(abort))
+
+    def stats(self) -> dict:
+        """Engine statistics as of the last step (safe to read from any thread)."""
+        return dict(self._stats)
+
+    async def fresh_stats(self) -> dict:
+        """Statistics read on the engine thread right now."""
+        return await asyncio.wrap_future(self._call(self.engine.stats))
+
+
+class RequestStream:
+    """Results of one request: ``StreamDelta`` items, then the final ``RequestOutput``.
+
+    Leaving the iteration early (break, cancellation, a disconnected client) aborts the
+    request so its KV blocks return to the pool.
+    """
+
+    def __init__(self, llm: AsyncLLM, request_id: str, results: asyncio.Queue) -> None:
+        self.llm = llm
+        self.request_id = request_id
+        self._results = results
+        self.finished = False
+
+    async def __aiter__(self) -> AsyncIterator[Union[StreamDelta, RequestOutput]]:
+        try:
+            while not self.finished:
+                item = await self._results.get()
+                if isinstance(item, Exception):
+                    self.finished = True
+                    raise item
+                if isinstance(item, RequestOutput):
+                    self.finished = True
+                yield item
+        finally:
+            if not self.finished:
+                self.abort()
+
+    def abort(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self.llm.abort_nowait(self.request_id)

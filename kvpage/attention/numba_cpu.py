@@ -1,0 +1,402 @@
+"""Numba CPU paged attention: reads K/V straight from the paged buffers, no gather copy.
+
+Contract: the one in :mod:`kvpage.attention` (same masks, softcap, sinks, GQA rule as
+:func:`~kvpage.attention.reference.paged_attention_reference`). Inputs are numpy arrays;
+torch CPU tensors are viewed zero-copy by :mod:`kvpage.attention.cpu`.
+
+Two kernels (the dispatcher feeds both from one precomputed step metadata):
+  * decode (the leading query-length-1 sequences): one work item = (sequence, a run of KV
+    heads; all of them unless the batch is too small to feed the threads). Token rows
+    ``[H_kv, D]`` are read contiguously, each K/V row once, all ``group`` query heads of
+    a KV head served from it (KV never expanded for GQA/MQA). Dot products over
+    ``head_dim`` are vectorized by letting LLVM re-associate the sum
+    (``fastmath={"reassoc", "contract"}``: no nnan/ninf, so masked ``-inf`` stays exact).
+    Measured ~1.6x faster than one item per (sequence, KV head) with strided rows.
+  * tiled (prefill, chunked prefill, prefix hits): one work item = (tile of up to
+    ``PREFILL_TILE`` query rows of one sequence, KV head). Per KV block the K rows are
+    copied (and converted) into an fp32 ``[head_dim, block_size]`` scratch, so the q.k loop
+    vectorizes over the block's tokens and sums ``head_dim`` in order (no fastmath).
+  Both use an online (streaming) softmax in fp32, one running max / denominator per row.
+  Cache dtypes: float32 is read directly; float16 and bfloat16 caches are passed as
+  ``uint16`` bit patterns (numba has no CPU float16 type): float16 goes through an exact
+  65536-entry lookup table, bfloat16 by a 16-bit shift into the float32 bit pattern.
+  ``q`` is converted to fp32 by the caller (it is small: [T, H, D]).
+
+The first call compiles (a few seconds per cache dtype); ``cache=True`` stores the
+machine code next to this file, so later processes start fast.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+from numba import get_num_threads, njit, prange, types
+from numba.extending import overload
+
+from .cpu import leading_decodes
+
+#: Query rows per prefill work item. Decode sequences are always a tile of one row.
+PREFILL_TILE = 16
+
+MODE_F32, MODE_F16, MODE_BF16 = 0, 1, 2
+# float16 bit pattern -> float32 value; exact (every float16 is representable in float32).
+_FP16_TABLE = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+
+
+def _load_block(cache, blk, h, t0, t1, dst, dst_bits, transpose, mode, table):  # pragma: no cover
+    """Copy rows ``t0:t1`` of ``cache[blk, :, h, :]`` into fp32 ``dst`` (transposed if asked)."""
+
+
+@overload(_load_block, jit_options={"cache": True})
+def _load_block_impl(cache, blk, h, t0, t1, dst, dst_bits, transpose, mode, table):
+    if cache.dtype == types.float32:
+        def load_f32(cache, blk, h, t0, t1, dst, dst_bits, transpose, mode, table):
+            for t in range(t0, t1):
+                row = cache[blk, t, h]
+                if transpose:
+                    for d in range(row.shape[0]):
+                        dst[d, t] = row[d]
+                else:
+                    for d in range(row.shape[0]):
+                        dst[t, d] = row[d]
+        return load_f32
+
+    def load_u16(cache, blk, h, t0, t1, dst, dst_bits, transpose, mode, table):
+        for t in range(t0, t1):
+            row = cache[blk, t, h]
+            for d in range(row.shape[0]):
+                if mode == MODE_BF16:
+                    bits = np.uint32(row[d]) << np.uint32(16)
+                    if transpose:
+                        dst_bits[d, t] = bits
+                    else:
+                        dst_bits[t, d] = bits
+                elif transpose:
+                    dst[d, t] = table[row[d]]
+                else:
+                    dst[t, d] = table[row[d]]
+    return load_u16
+
+
+@njit(cache=True)
+def _attend_tile(q, kc, vc, bt_row, q0, q_len, seq_len, r0, r1, h, scale, window, softcap,
+                 sinks, mode, table, out):
+    """Attention of query rows ``r0:r1`` (of ``q_len``) of one sequence, for KV head ``h``."""
+    head_dim = q.shape[2]
+    block_size = kc.shape[1]
+    group = q.shape[1] // kc.shape[2]
+    rows = (r1 - r0) * group
+    qf = np.empty((rows, head_dim), np.float32)
+    for a in range(r1 - r0):
+        for g in range(group):
+            for d in range(head_dim):
+                qf[a * group + g, d] = q[q0 + r0 + a, h * group + g, d] * scale
+    m = np.full(rows, -np.inf, np.float32)
+    den = np.zeros(rows, np.float32)
+    acc = np.zeros((rows, head_dim), np.float32)
+    s = np.empty((rows, block_size), np.float32)
+    kt = np.empty((head_dim, block_size), np.float32)
+    vb = np.empty((block_size, head_dim), np.float32)
+    kt_bits = kt.view(np.uint32)
+    vb_bits = vb.view(np.uint32)
+    p_first = seq_len - q_len + r0
+    p_last = seq_len - q_len + r1 - 1
+    lo = 0 if window <= 0 else max(0, p_first - window + 1)
+    for b in range(lo // block_size, p_last // block_size + 1):
+        blk = bt_row[b]
+        j0 = b * block_size
+        t0 = max(lo - j0, 0)
+        t1 = min(p_last - j0 + 1, block_size)
+        _load_block(kc, blk, h, t0, t1, kt, kt_bits, True, mode, table)
+        _load_block(vc, blk, h, t0, t1, vb, vb_bits, False, mode, table)
+        for r in range(rows):
+            p = p_first + r // group
+            r_lo = 0 if window <= 0 else p - window + 1
+            _tile_row_update(qf[r], kt, vb, s[r], t0, t1, j0, r_lo, p, softcap, m, den, acc[r], r)
+    for r in range(rows):
+        mx = m[r]
+        dn = den[r]
+        if sinks.shape[0] > 0:
+            sink = sinks[h * group + r % group]
+            mx_new = max(mx, sink)
+            dn = dn * np.exp(mx - mx_new) + np.exp(sink - mx_new)
+            mx = mx_new
+            inv = np.exp(m[r] - mx) / dn
+        else:
+            inv = 1.0 / dn
+        t = q0 + r0 + r // group
+        for d in range(head_dim):
+            out[t, h * group + r % group, d] = acc[r, d] * inv
+
+
+@njit(cache=True)
+def _tile_row_update(qr, kt, vb, sr, t0, t1, j0, r_lo, p, softcap, m, den, acc_r, r):
+    """Fold tokens ``t0:t1`` of one block into query row ``r``'s streaming softmax."""
+    head_dim = qr.shape[0]
+    # Tokens of this block the row may see (causal and window); none -> nothing to do.
+    a0 = max(t0, r_lo - j0)
+    a1 = min(t1, p - j0 + 1)
+    if a1 <= a0:
+        return
+    for t in range(a0, a1):
+        sr[t] = 0.0
+    for d in range(head_dim):
+        qd = qr[d]
+        for t in range(a0, a1):
+            sr[t] += qd * kt[d, t]
+    mb = -np.inf
+    for t in range(a0, a1):
+        x = sr[t]
+        if softcap > 0:
+            x = softcap * np.tanh(x / softcap)
+            sr[t] = x
+        mb = max(mb, x)
+    m_new = max(m[r], mb)
+    alpha = np.exp(m[r] - m_new)
+    block_den = np.float32(0.0)
+    for t in range(a0, a1):
+        e = np.exp(sr[t] - m_new)
+        sr[t] = e
+        block_den += e
+    den[r] = den[r] * alpha + block_den
+    m[r] = m_new
+    if alpha != 1.0:
+        for d in range(head_dim):
+            acc_r[d] *= alpha
+    for t in range(a0, a1):
+        e = sr[t]
+        for d in range(head_dim):
+            acc_r[d] += e * vb[t, d]
+
+
+def _row_f32(cache, blk, t, h, buf, mode, table):  # pragma: no cover
+    """Row ``cache[blk, t, h, :]`` as fp32: a view for float32 caches, else converted into ``buf``."""
+
+
+@overload(_row_f32, jit_options={"cache": True})
+def _row_f32_impl(cache, blk, t, h, buf, mode, table):
+    if cache.dtype == types.float32:
+        def row_view(cache, blk, t, h, buf, mode, table):
+            return cache[blk, t, h]
+        return row_view
+
+    def row_convert(cache, blk, t, h, buf, mode, table):
+        row = cache[blk, t, h]
+        if mode == MODE_BF16:
+            bits = buf.view(np.uint32)
+            for d in range(row.shape[0]):
+                bits[d] = np.uint32(row[d]) << np.uint32(16)
+        else:
+            for d in range(row.shape[0]):
+                buf[d] = table[row[d]]
+        return buf
+    return row_convert
+
+
+# Re-association lets LLVM vectorize the head_dim dot products (a horizontal sum per
+# score); no nnan/ninf, so the -inf of masked positions stays exact.
+_DECODE_FASTMATH = {"reassoc", "contract"}
+
+
+@njit(parallel=True, cache=True, fastmath=_DECODE_FASTMATH)
+def _decode_kernel(q, kc, vc, block_tables, seq_lens, num_decodes, heads_per_item, scale, window,
+                   softcap, sinks, mode, table, out):
+    """Sequences ``0:num_decodes`` have one query row (row ``i`` of ``q``).
+
+    One work item = (sequence, ``heads_per_item`` consecutive KV heads). With all KV heads in
+    one item every token row ``[H_kv, D]`` is read contiguously (measured ~1.6x faster than
+    one item per KV head); fewer heads per item only buy parallelism for small batches.
+    """
+    splits = kc.shape[2] // heads_per_item
+    for item in prange(num_decodes * splits):
+        i = item // splits
+        _decode_one(q, kc, vc, block_tables[i], i, seq_lens[i], (item % splits) * heads_per_item,
+                    heads_per_item, scale, window, softcap, sinks, mode, table, out)
+
+
+@njit(cache=True, fastmath=_DECODE_FASTMATH)
+def _decode_one(q, kc, vc, bt_row, i, seq_len, h0, nh, scale, window, softcap, sinks, mode, table, out):
+    block_size, head_dim = kc.shape[1], kc.shape[3]
+    group = q.shape[1] // kc.shape[2]
+    rows = nh * group  # query heads h0*group ... (h0+nh)*group - 1
+    qf = np.empty((rows, head_dim), np.float32)
+    for r in range(rows):
+        for d in range(head_dim):
+            qf[r, d] = q[i, h0 * group + r, d] * scale
+    m = np.full(rows, -np.inf, np.float32)
+    den = np.zeros(rows, np.float32)
+    acc = np.zeros((rows, head_dim), np.float32)
+    s = np.empty((rows, block_size), np.float32)
+    buf = np.empty(head_dim, np.float32)
+    p = seq_len - 1
+    lo = 0 if window <= 0 else max(0, p - window + 1)
+    for b in range(lo // block_size, p // block_size + 1):
+        blk = bt_row[b]
+        a0 = max(lo - b * block_size, 0)
+        a1 = min(seq_len - b * block_size, block_size)
+        for t in range(a0, a1):
+            for hh in range(nh):
+                krow = _row_f32(kc, blk, t, h0 + hh, buf, mode, table)
+                for g in range(group):
+                    r = hh * group + g
+                    x = np.float32(0.0)
+                    for d in range(head_dim):
+                        x += qf[r, d] * krow[d]
+                    if softcap > 0:
+                        x = softcap * np.tanh(x / softcap)
+                    s[r, t] = x
+        _softmax_block(s, a0, a1, m, den, acc)
+        for t in range(a0, a1):
+            for hh in range(nh):
+                vrow = _row_f32(vc, blk, t, h0 + hh, buf, mode, table)
+                for g in range(group):
+                    r = hh * group + g
+                    e = s[r, t]
+                    for d in range(head_dim):
+                        acc[r, d] += e * vrow[d]
+    for r in range(rows):
+        _finish_row(acc[r], m[r], den[r], sinks, h0 * group + r, out[i, h0 * group + r])
+
+
+@njit(cache=True, fastmath=_DECODE_FASTMATH)
+def _softmax_block(s, a0, a1, m, den, acc):
+    """Streaming-softmax step: turn scores ``s[:, a0:a1]`` into weights, rescale ``acc``."""
+    for r in range(s.shape[0]):
+        mb = -np.inf
+        for t in range(a0, a1):
+            mb = max(mb, s[r, t])
+        m_new = max(m[r], mb)
+        alpha = np.exp(m[r] - m_new)
+        block_den = np.float32(0.0)
+        for t in range(a0, a1):
+            e = np.exp(s[r, t] - m_new)
+            s[r, t] = e
+            block_den += e
+        den[r] = den[r] * alpha + block_den
+        m[r] = m_new
+        for d in range(acc.shape[1]):
+            acc[r, d] *= alpha
+
+
+@njit(cache=True)
+def _finish_row(acc_r, m_r, den_r, sinks, head, out_row):
+    """Write ``acc / den`` (the sink, if any, adds ``exp(sink)`` to the denominator only)."""
+    inv = 1.0 / den_r
+    if sinks.shape[0] > 0:
+        sink = sinks[head]
+        mx = max(m_r, sink)
+        inv = np.exp(m_r - mx) / (den_r * np.exp(m_r - mx) + np.exp(sink - mx))
+    for d in range(acc_r.shape[0]):
+        out_row[d] = acc_r[d] * inv
+
+
+@njit(parallel=True, cache=True)
+def _paged_attention_kernel(q, kc, vc, block_tables, query_start_loc, seq_lens, work, scale,
+                            window, softcap, sinks, mode, table, out):
+    num_kv_heads = kc.shape[2]
+    for item in prange(work.shape[0] * num_kv_heads):
+        w = item // num_kv_heads
+        h = item % num_kv_heads
+        i = work[w, 0]
+        q0 = query_start_loc[i]
+        q_len = query_start_loc[i + 1] - q0
+        _attend_tile(q, kc, vc, block_tables[i], q0, q_len, seq_lens[i], work[w, 1], work[w, 2], h,
+                     scale, window, softcap, sinks, mode, table, out)
+
+
+def build_work_tiles(query_start_loc: np.ndarray, first_seq: int = 0, tile: int = PREFILL_TILE) -> np.ndarray:
+    """Split the query rows of sequences ``first_seq:`` into tiles of at most ``tile`` rows.
+
+    Returns int32 ``[W, 3]`` rows ``(seq, row_start, row_end)`` (rows relative to the
+    sequence's first query). Empty sequences get no tile. Vectorized, no per-token loop.
+    """
+    qsl = np.asarray(query_start_loc, dtype=np.int64)
+    q_lens = np.diff(qsl)[first_seq:]
+    n_tiles = -(-q_lens // tile)
+    seq = np.repeat(np.arange(q_lens.shape[0], dtype=np.int64), n_tiles)
+    first_tile = np.cumsum(n_tiles) - n_tiles
+    start = (np.arange(seq.shape[0], dtype=np.int64) - first_tile[seq]) * tile
+    end = np.minimum(start + tile, q_lens[seq])
+    return np.ascontiguousarray(np.stack([seq + first_seq, start, end], axis=1).astype(np.int32))
+
+
+def decode_heads_per_item(num_decodes: int, num_kv_heads: int, num_threads: int) -> int:
+    """KV heads per decode work item: all of them (contiguous row reads) unless that leaves
+    fewer than ``4 * num_threads`` items, then the largest divisor that does not."""
+    for hpi in range(num_kv_heads, 0, -1):
+        if num_kv_heads % hpi == 0 and num_decodes * (num_kv_heads // hpi) >= 4 * num_threads:
+            return hpi
+    return 1
+
+
+def cache_mode(cache: np.ndarray, logical_dtype: str) -> tuple[int, np.ndarray]:
+    """(mode, table) for a cache array: float32 direct, float16/bfloat16 as uint16 bits."""
+    if logical_dtype == "float32" and cache.dtype == np.float32:
+        return MODE_F32, _FP16_TABLE[:1]
+    if logical_dtype in ("float16", "bfloat16") and cache.dtype == np.uint16:
+        return (MODE_F16, _FP16_TABLE) if logical_dtype == "float16" else (MODE_BF16, _FP16_TABLE[:1])
+    raise ValueError(f"cache of logical dtype {logical_dtype!r} must be float32 (float32) or uint16 "
+                     f"bits (float16/bfloat16), got array dtype {cache.dtype}")
+
+
+def paged_attention_numba(
+    q: np.ndarray,
+    key_cache: np.ndarray,
+    value_cache: np.ndarray,
+    query_start_loc: np.ndarray,
+    seq_lens: np.ndarray,
+    block_tables: np.ndarray,
+    scaling: float,
+    sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    sinks: Optional[np.ndarray] = None,
+    *,
+    cache_dtype: Optional[str] = None,
+    num_decodes: Optional[int] = None,
+    work: Optional[np.ndarray] = None,
+    out: Optional[np.ndarray] = None,
+) -> np.ndarray:
+    """Paged attention over numpy arrays; returns fp32 ``[T, H, D]`` (``out`` if given).
+
+    ``q`` may be any float dtype (converted to fp32 here: it is small). Caches are float32,
+    float16, or uint16 bit patterns with ``cache_dtype`` "float16"/"bfloat16" naming what
+    the bits mean. Index arrays are used as int32 (converted if needed).
+    The leading ``num_decodes`` sequences (default: the leading run with query length 1)
+    take the decode kernel, the rest the tiled kernel over ``work``
+    (default ``build_work_tiles(query_start_loc, num_decodes)``); the dispatcher passes
+    both precomputed once per step.
+    """
+    if key_cache.dtype == np.float16:
+        key_cache, value_cache, cache_dtype = key_cache.view(np.uint16), value_cache.view(np.uint16), "float16"
+    elif cache_dtype is None:
+        cache_dtype = "float32"
+    mode, table = cache_mode(key_cache, cache_dtype)
+    if value_cache.dtype != key_cache.dtype or value_cache.shape != key_cache.shape:
+        raise ValueError(f"key/value caches differ: {key_cache.shape} {key_cache.dtype} vs "
+                         f"{value_cache.shape} {value_cache.dtype}")
+    num_heads, num_kv_heads = q.shape[1], key_cache.shape[2]
+    if num_heads % num_kv_heads or q.shape[2] != key_cache.shape[3]:
+        raise ValueError(f"q {q.shape} does not fit caches {key_cache.shape}: num_heads must be a "
+                         "multiple of num_kv_heads and head_dim must match")
+    qsl, lens, tables = _as_i32(query_start_loc), _as_i32(seq_lens), _as_i32(block_tables)
+    if num_decodes is None:
+        num_decodes = leading_decodes(qsl)
+    if work is None:
+        work = build_work_tiles(qsl, num_decodes)
+    if out is None:
+        out = np.zeros(q.shape, dtype=np.float32)
+    qf = np.ascontiguousarray(q, dtype=np.float32)
+    sinks_arr = np.zeros(0, np.float32) if sinks is None else np.ascontiguousarray(sinks, dtype=np.float32)
+    scale, window, cap = np.float32(scaling), np.int64(sliding_window or 0), np.float32(softcap or 0.0)
+    if num_decodes:
+        hpi = decode_heads_per_item(num_decodes, num_kv_heads, get_num_threads())
+        _decode_kernel(qf, key_cache, value_cache, tables, lens, np.int64(num_decodes), np.int64(hpi), scale,
+                       window, cap, sinks_arr, np.int64(mode), table, out)
+    if work.shape[0]:
+        _paged_attention_kernel(qf, key_cache, value_cache, tables, qsl, lens, work, scale, window, cap,
+                                sinks_arr, np.int64(mode), table, out)
+    return out
+
+
+def _as_i32(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a, dtype=np.int32)

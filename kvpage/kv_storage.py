@@ -1,0 +1,275 @@
+"""Paged KV storage: sizing the pool and allocating its per-layer K/V buffers.
+
+Backend-neutral and torch-free at import: numpy buffers work everywhere, torch (CPU
+tensors) and cupy (GPU) are imported only when asked for.
+
+Layout per layer, one buffer for K and one for V::
+
+    [num_blocks, block_size, num_kv_heads, head_dim]   (slot = block_id * block_size + offset)
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+#: CPU default budget: room for ``max_num_seqs`` sequences of this many tokens (or
+#: ``max_model_len`` if shorter) ...
+CPU_EXPECTED_SEQ_TOKENS = 1024
+#: ... capped at this fraction of free RAM (model weights and activations live there too) ...
+CPU_MAX_FREE_RAM_FRACTION = 0.25
+#: ... and at this absolute size (bytes): a CPU engine is bandwidth-bound long before a
+#: larger cache pays off.
+CPU_MAX_KV_BYTES = 4 << 30
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """Shape of the KV cache of one model.
+
+    Attributes:
+        num_layers: attention layers, each with its own K and V buffer.
+        num_kv_heads: KV heads per layer.
+        head_dim: elements per head.
+        block_size: tokens per block.
+        dtype: "float32", "float16" or "bfloat16".
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.dtype not in _ITEMSIZE:
+            raise ValueError(f"dtype must be one of {sorted(_ITEMSIZE)}, got {self.dtype!r}")
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element."""
+        return _ITEMSIZE[self.dtype]
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes of K and V of one token, all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.itemsize
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes of K and V of one block, all layers."""
+        return self.block_size * self.bytes_per_token
+
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        """Blocks one sequence of ``num_tokens`` tokens needs."""
+        return -(-num_tokens // self.block_size)
+
+
+def free_ram_bytes() -> int:
+    """Available RAM (bytes): ``MemAvailable`` of /proc/meminfo, else sysconf free pages."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def determine_num_blocks(
+    spec: KVCacheSpec,
+    *,
+    num_kv_blocks: Optional[int] = None,
+    kv_cache_memory: Optional[int] = None,
+    gpu_memory_utilization: Optional[float] = None,
+    device: str = "cpu",
+    max_num_seqs: int = 1,
+    max_model_len: int = 2048,
+    total_device_bytes: Optional[int] = None,
+    used_device_bytes: Optional[int] = None,
+    peak_activation_bytes: Optional[int] = None,
+    free_ram_bytes: Optional[int] = None,
+) -> int:
+    """Number of KV blocks to allocate. Pure: every measurement comes in as an argument.
+
+    Precedence:
+      1. ``num_kv_blocks`` given: that many.
+      2. ``kv_cache_memory`` (bytes) given: as many blocks as fit.
+      3. GPU (``device`` "cuda"/"gpu"): ``gpu_memory_utilization * total_device_bytes -
+         (used_device_bytes + peak_activation_bytes)``, where ``used_device_bytes`` is the
+         non-KV memory in use (weights, workspace) and ``peak_activation_bytes`` the
+         activation peak the engine measured with one profile forward.
+      4. CPU (``gpu_memory_utilization`` does not apply): enough for ``max_num_seqs``
+         sequences of ``min(max_model_len, CPU_EXPECTED_SEQ_TOKENS)`` tokens, capped at
+         ``CPU_MAX_FREE_RAM_FRACTION`` of free RAM (read from /proc/meminfo when not
+         given) and at ``CPU_MAX_KV_BYTES``.
+    Raises ValueError, with the numbers, when the result is under one block or cannot hold
+    one request of ``max_model_len`` tokens.
+    """
+    need = spec.blocks_for_tokens(max_model_len)
+    if num_kv_blocks is not None:
+        if isinstance(num_kv_blocks, bool) or not isinstance(num_kv_blocks, int) or num_kv_blocks <= 0:
+            raise ValueError(f"num_kv_blocks must be a positive integer, got {num_kv_blocks!r}")
+        return _check(num_kv_blocks, need, spec, max_model_len, f"num_kv_blocks={num_kv_blocks}")
+    if kv_cache_memory is not None:
+        budget, source = int(kv_cache_memory), f"kv_cache_memory={kv_cache_memory} bytes"
+    elif device.startswith(("cuda", "gpu")):
+        budget, source = _gpu_budget(gpu_memory_utilization, total_device_bytes, used_device_bytes,
+                                     peak_activation_bytes)
+    else:
+        budget, source = _cpu_budget(spec, max_num_seqs, max_model_len, free_ram_bytes)
+    num_blocks = budget // spec.bytes_per_block if budget > 0 else 0
+    if num_blocks < 1:
+        raise ValueError(f"KV budget too small for one block: {source} -> {budget} bytes < "
+                         f"{spec.bytes_per_block} bytes per block")
+    return _check(num_blocks, need, spec, max_model_len, source)
+
+
+def _check(num_blocks: int, need: int, spec: KVCacheSpec, max_model_len: int, source: str) -> int:
+    if num_blocks < need:
+        raise ValueError(f"KV cache of {num_blocks} blocks ({source}) cannot hold one request of "
+                         f"max_model_len={max_model_len} tokens: needs {need} blocks of "
+                         f"{spec.block_size} tokens ({need * spec.bytes_per_block} bytes)")
+    return num_blocks
+
+
+def _gpu_budget(utilization, total, used, peak) -> tuple[int, str]:
+    if utilization is None or not 0.0 < utilization <= 1.0:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization!r}")
+    if total is None or used is None or peak is None:
+        raise ValueError("GPU sizing needs total_device_bytes, used_device_bytes and peak_activation_bytes")
+    budget = int(utilization * total) - (int(used) + int(peak))
+    return budget, (f"gpu_memory_utilization={utilization} * total {total} - (used {used} + "
+                    f"peak activation {peak}) bytes")
+
+
+def _cpu_budget(spec: KVCacheSpec, max_num_seqs: int, max_model_len: int, free_ram) -> tuple[int, str]:
+    free = free_ram_bytes_fn() if free_ram is None else int(free_ram)
+    tokens = min(max_model_len, CPU_EXPECTED_SEQ_TOKENS)
+    wanted = max_num_seqs * spec.blocks_for_tokens(tokens) * spec.bytes_per_block
+    cap = min(int(free * CPU_MAX_FREE_RAM_FRACTION), CPU_MAX_KV_BYTES)
+    return min(wanted, cap), (f"CPU default min({max_num_seqs} seqs x {tokens} tokens = {wanted}, "
+                              f"{CPU_MAX_FREE_RAM_FRACTION} x free RAM {free}, {CPU_MAX_KV_BYTES}) bytes")
+
+
+free_ram_bytes_fn = free_ram_bytes  # the parameter of determine_num_blocks shadows the name
+
+
+_BACKENDS = ("numpy", "torch", "cupy")
+
+
+class PagedKVCache:
+    """Per-layer K and V buffers ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+
+    ``backend``: "numpy" (numpy arrays), "torch" (CPU tensors), "cupy" (GPU arrays; each
+    also viewable zero-copy as a torch CUDA tensor through DLPack, ``torch_key_cache``).
+    Buffers start zeroed.
+    """
+
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, backend: str = "numpy") -> None:
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
+            raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
+        if backend not in _BACKENDS:
+            raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+        self.spec, self.num_blocks, self.backend = spec, num_blocks, backend
+        self._xp = _array_module(backend)
+        shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        self._k = [self._zeros(shape) for _ in range(spec.num_layers)]
+        self._v = [self._zeros(shape) for _ in range(spec.num_layers)]
+
+    def _zeros(self, shape: tuple) -> Any:
+        if self.backend == "torch":
+            return self._xp.zeros(shape, dtype=getattr(self._xp, self.spec.dtype))
+        if self.spec.dtype == "bfloat16":
+            raise ValueError(f"bfloat16 needs the torch backend ({self.backend} has no bfloat16)")
+        return self._xp.zeros(shape, dtype=self.spec.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by all K and V buffers."""
+        return self.num_blocks * self.spec.bytes_per_block
+
+    def _live(self) -> None:
+        if self._k is None:
+            raise ValueError("PagedKVCache was freed")
+
+    def key_cache(self, layer: int) -> Any:
+        self._live()
+        return self._k[layer]
+
+    def value_cache(self, layer: int) -> Any:
+        self._live()
+        return self._v[layer]
+
+    def torch_key_cache(self, layer: int) -> Any:
+        """Layer ``layer``'s K buffer as a torch tensor (zero-copy; DLPack for cupy)."""
+        return _as_torch(self.key_cache(layer))
+
+    def torch_value_cache(self, layer: int) -> Any:
+        return _as_torch(self.value_cache(layer))
+
+    def copy_blocks(self, block_copies) -> None:
+        """Copy-on-write: for each ``(src, dst)`` row of int ``[K, 2]``, block dst := block src.
+
+        One fancy-index copy per layer and buffer (sources are read before any write, so a
+        block may be both a source and a destination). Destinations must be distinct.
+        """
+        self._live()
+        pairs = np.asarray(block_copies, dtype=np.int64).reshape(-1, 2)
+        if pairs.shape[0] == 0:
+            return
+        if pairs.min() < 0 or pairs.max() >= self.num_blocks:
+            raise ValueError(f"block_copies reference blocks outside [0, {self.num_blocks})")
+        if np.unique(pairs[:, 1]).shape[0] != pairs.shape[0]:
+            raise ValueError("block_copies has a repeated destination block")
+        src, dst = self._index(pairs[:, 0]), self._index(pairs[:, 1])
+        for buf in (*self._k, *self._v):
+            buf[dst] = buf[src]
+
+    def _index(self, ids: np.ndarray) -> Any:
+        if self.backend == "torch":
+            return self._xp.from_numpy(ids)
+        return self._xp.asarray(ids)
+
+    def zero(self) -> None:
+        """Zero every buffer in place."""
+        self._live()
+        for buf in (*self._k, *self._v):
+            buf[...] = 0
+
+    def free(self) -> None:
+        """Drop the buffers (device memory returns to the pool once no view holds them)."""
+        self._k = self._v = None
+        if self.backend == "cupy":
+            self._xp.get_default_memory_pool().free_all_blocks()
+
+
+def _array_module(backend: str) -> Any:
+    if backend == "numpy":
+        return np
+    if backend == "torch":
+        import torch
+
+        return torch
+    import cupy
+
+    return cupy
+
+
+def _as_torch(buf: Any) -> Any:
+    import torch
+
+    if isinstance(buf, torch.Tensor):
+        return buf
+    if isinstance(buf, np.ndarray):
+        return torch.from_numpy(buf)
+    return torch.from_dlpack(buf)

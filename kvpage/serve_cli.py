@@ -1,0 +1,68 @@
+"""``kvpage serve``: the OpenAI-compatible server, taking vLLM's flags."""
+from __future__ import annotations
+
+import argparse
+import re
+from typing import Optional
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+
+
+def parse_bytes(text: str) -> int:
+    """``"4GiB"``, ``"512M"``, ``"1000000"`` -> bytes (binary multiples for K/M/G/T)."""
+    match = _SIZE.match(text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 4GiB, 512M, 1000000)")
+    number, unit = float(match.group(1)), match.group(2).lower()
+    return int(number * (1024 ** "_kmgt".index(unit) if unit else 1))
+
+
+def add_serve_parser(sub) -> None:
+    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    p.add_argument("model", nargs="?", default="smollm2-135m", help="local HF folder or alias (default: SmolLM2)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="GPU only; ignored on CPU")
+    p.add_argument("--kv-cache-memory", type=parse_bytes, default=None, help="KV budget, e.g. 2GiB")
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--api-key", default=None, help="require Authorization: Bearer <key> on /v1/*")
+    p.add_argument("--served-model-name", nargs="+", default=None)
+    p.add_argument("--max-waiting", type=int, default=1024, help="waiting-queue bound; past it requests get 503")
+    p.add_argument("--max-body-bytes", type=parse_bytes, default=1 << 20)
+    p.add_argument("--max-tokens-cap", type=int, default=4096, help="largest max_tokens a request may ask for")
+    p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--log-level", default="info")
+    p.set_defaults(func=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> Optional[int]:
+    import uvicorn
+
+    from .async_engine import AsyncLLM
+    from .llm import LLM
+    from .server.app import build_app
+
+    llm = LLM(args.model, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+              kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              enable_chunked_prefill=args.enable_chunked_prefill, enable_prefix_caching=args.enable_prefix_caching,
+              max_model_len=args.max_model_len, dtype=args.dtype, device=args.device, seed=args.seed,
+              attention_backend=args.attention_backend, max_waiting=args.max_waiting)
+    names = args.served_model_name or [str(args.model)]
+    async_llm = AsyncLLM(llm.engine).start()
+    app = build_app(async_llm, llm.tokenizer, names, llm.engine.scheduler.config.max_model_len,
+                    api_key=args.api_key, max_body_bytes=args.max_body_bytes, max_tokens_cap=args.max_tokens_cap)
+    stats = llm.stats()
+    print(f"kvpage: serving {names[0]} on http://{args.host}:{args.port} with {stats['num_blocks']} KV blocks "
+          f"of {args.block_size} tokens", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    return 0
