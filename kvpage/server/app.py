@@ -84,6 +84,7 @@ def build_app(llm: AsyncLLM, tokenizer: Any, served_model_names: list[str], max_
         llm.shutdown()  # after uvicorn's graceful period: abort what is left, stop the engine thread
 
     app = FastAPI(title="kvpage", version="0.1.0", lifespan=lifespan)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     metrics = ServerMetrics(llm.stats)
     llm.observers.append(metrics.observe_step)
     ctx = handlers.ServingContext(llm, tokenizer, served_model_names[0], max_model_len, max_tokens_cap)
