@@ -194,3 +194,15 @@ def test_prompts_admitted_together_share_their_common_prefix(llm):
                         SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
     assert outs[0].metrics.num_cached_tokens == 0 or outs[0].metrics.num_cached_tokens % 4 == 0
     assert all(o.metrics.num_cached_tokens >= (len(shared) // 4) * 4 for o in outs[1:])
+
+
+def test_patch_is_the_drop_in_for_a_loaded_model():
+    from kvpage.adapters import patch
+
+    model = tiny_model("mistral")
+    expected = hf_greedy(model, [5, 6, 7, 8], 6)
+    llm = patch(model, block_size=4, num_kv_blocks=32, max_model_len=64)
+    out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert out[0].outputs[0].token_ids == expected
+    assert hf_greedy(model, [5, 6, 7, 8], 6) == expected  # plain generate still works
+    llm.restore()
