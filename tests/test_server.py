@@ -265,3 +265,43 @@ def test_full_waiting_queue_gets_503_with_retry_after(guarded_server):
     assert 200 in codes and 503 in codes, codes
     refused = next(r for r in responses if r.status_code == 503)
     assert refused.headers["retry-after"] and refused.json()["error"]["code"] == "queue_full"
+
+
+def test_graceful_shutdown_ends_streams_and_exits(model_dir):
+    """SIGINT with a stream in flight: the stream ends (finished or cut) and the process exits."""
+    import signal
+    import subprocess
+    import sys
+
+    from server_process import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "kvpage", "serve", model_dir, "--port", str(port),
+                             "--block-size", "4", "--num-kv-blocks", "64", "--max-model-len", "128",
+                             "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline and proc.poll() is None, "server did not start"
+            time.sleep(0.25)
+        body = {"prompt": "keep going", "max_tokens": 100, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")
+            proc.send_signal(signal.SIGINT)
+            try:
+                for _ in lines:  # drains what is left; ends when the server closes the stream
+                    pass
+            except httpx.HTTPError:
+                pass  # a cut stream is an acceptable end
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
