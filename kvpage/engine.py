@@ -7,6 +7,7 @@ logits [S, V]`` and a tokenizer. A fault in one step fails only that step's requ
 from __future__ import annotations
 
 import itertools
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Optional, Sequence, Union
@@ -77,8 +78,14 @@ class LLMEngine:
                 raise ValueError("the prompt is empty")
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs a tokenizer; pass token ids instead")
-            return list(self.tokenizer.encode(prompt))
-        ids = [int(t) for t in prompt]
+            ids = list(self.tokenizer.encode(prompt))
+            if not ids:
+                raise ValueError("the prompt encodes to no tokens")
+        else:
+            try:  # operator.index: ints (numpy and 0-d tensors too), never floats, strings or None
+                ids = [operator.index(t) for t in prompt]
+            except TypeError:
+                raise ValueError("a prompt must be a string or a sequence of integer token ids") from None
         if not ids:
             raise ValueError("the prompt is empty")
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
@@ -122,13 +129,21 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ control
     def abort(self, request_id: str) -> bool:
+        """Abort a live request, freeing its blocks; returns False if it is not live."""
+        return self.abort_with_output(request_id) is not None
+
+    def abort_with_output(self, request_id: str) -> Optional[RequestOutput]:
+        """``abort``, returning the request's output so far (its unfinished samples end with
+        ``finish_reason == "abort"``), or None if it is not live."""
         group = self._groups.pop(request_id, None)
         if group is None:
-            return False
+            return None
         for sample in group.samples:
             self.scheduler.abort(sample.seq_id)
             self._release(sample.seq_id)
-        return True
+            if sample.finish_reason is None:
+                sample.finish_reason = FinishReason.ABORT.value
+        return self.to_output(group)
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._groups
@@ -149,6 +164,7 @@ class LLMEngine:
         self.step_stats.record(self.scheduler)
         try:
             logits = self.runner.execute(output.metadata)
+            _check_logits_shape(logits, len(output.metadata.sample_seq_indices))
         except Exception as exc:  # noqa: BLE001 - a failed step must not take the engine down
             self.num_step_errors += 1
             deltas = self._fail(output.requests, f"model step failed: {type(exc).__name__}: {exc}")
@@ -236,8 +252,16 @@ class LLMEngine:
             sample = group.samples[index]
             sample.finish_reason, sample.error = FinishReason.ERROR.value, message
             self._release(request.request_id)
-            self._maybe_close(group)
             deltas.append(StreamDelta(group.request_id, index, "", [], sample.finish_reason, None, message))
+            # A group that fails before its first token never forks its other n - 1 samples;
+            # fail them too, or the group could never close (and its caller would wait forever).
+            while len(group.samples) < group.params.n:
+                missing = self._add_sample(group, f"{group.request_id}#{len(group.samples)}")
+                missing.finish_reason, missing.error = FinishReason.ERROR.value, message
+                self._release(missing.seq_id)
+                deltas.append(StreamDelta(group.request_id, len(group.samples) - 1, "", [], missing.finish_reason,
+                                          None, message))
+            self._maybe_close(group)
         return deltas
 
     def _maybe_close(self, group: _Group) -> None:
@@ -254,7 +278,7 @@ class LLMEngine:
     def to_output(self, group: _Group) -> RequestOutput:
         outputs = [
             CompletionOutput(i, s.detokenizer.text if s.detokenizer else "", list(s.token_ids), s.finish_reason,
-                             s.logprobs, s.cumulative_logprob, s.error)
+                             s.logprobs, s.cumulative_logprob if s.logprobs is not None else None, s.error)
             for i, s in enumerate(group.samples)
         ]
         return RequestOutput(group.request_id, group.prompt, list(group.prompt_token_ids), outputs,
@@ -292,6 +316,13 @@ class _StepStats:
         return {"num_steps": self.num_steps, "mean_kv_cache_usage": self.usage_sum / steps,
                 "mean_kv_fragmentation": self.fragmentation_sum / steps,
                 "peak_kv_cache_usage": self.peak_usage, "peak_num_running": self.peak_running}
+
+
+def _check_logits_shape(logits: Any, num_rows: int) -> None:
+    """A runner that returns the wrong shape has failed its step (caught like any model fault)."""
+    shape = tuple(getattr(logits, "shape", ()))
+    if len(shape) != 2 or shape[0] != num_rows:
+        raise RuntimeError(f"the runner returned logits of shape {shape}; expected ({num_rows}, vocab)")
 
 
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:

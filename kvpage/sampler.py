@@ -20,7 +20,7 @@ from .request import Request
 class SampleResult:
     token_ids: np.ndarray  # int64 [S]
     logprobs: list  # per row: None or {token_id: logprob} (top-k plus the sampled token)
-    token_logprobs: np.ndarray  # float64 [S], log-probability of each sampled token
+    token_logprobs: np.ndarray  # float64 [S], the sampled token's log-probability; NaN unless logprobs was asked
 
 
 class Sampler:
@@ -56,10 +56,18 @@ class Sampler:
             greedy = [i for i, r in enumerate(requests) if r.sampling_params.greedy]
             if greedy:
                 tokens[greedy] = torch.argmax(adjusted[greedy], dim=-1)
-        log_probs = torch.log_softmax(logits, dim=-1)
-        token_logprobs = log_probs.gather(1, tokens.view(-1, 1)).view(-1)
-        return SampleResult(tokens.numpy().astype(np.int64), self._top_logprobs(log_probs, tokens, requests),
-                            token_logprobs.double().numpy())
+        # Log-probabilities cost a pass over the whole vocabulary: only for rows that ask.
+        wanted = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
+        token_logprobs = np.full(num_rows, np.nan)
+        top: list = [None] * num_rows
+        if wanted:
+            index = torch.tensor(wanted)
+            log_probs = torch.log_softmax(logits[index], dim=-1)
+            picked = tokens[index]
+            token_logprobs[wanted] = log_probs.gather(1, picked.view(-1, 1)).view(-1).double().numpy()
+            for row, entry in zip(wanted, self._top_logprobs(log_probs, picked, [requests[i] for i in wanted])):
+                top[row] = entry
+        return SampleResult(tokens.numpy().astype(np.int64), top, token_logprobs)
 
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
