@@ -32,9 +32,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_optional_subcommands(sub) -> None:
     """Subcommands that live in modules of their own register themselves here."""
+    from .bench_cli import add_bench_parser
     from .serve_cli import add_serve_parser
 
     add_serve_parser(sub)
+    add_bench_parser(sub)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

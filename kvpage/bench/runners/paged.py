@@ -1,0 +1,150 @@
+"""Configurations C, D, E: kvpage paged attention with continuous batching.
+
+C: chunked prefill off (a prompt runs whole in one step, so the step budget must hold the
+longest prompt); D: C + chunked prefill (``token_budget`` tokens per step, decodes
+first); E: D + prefix caching. All get ``kv_budget_bytes`` as ``num_kv_blocks`` blocks.
+
+KV waste per step = the pool's fragmentation when the step is scheduled: the fraction of
+token slots in blocks referenced by live requests that hold no token (the partly filled
+last block of each sequence). Free and cached-idle blocks are not reserved by anyone.
+Requests join the engine at their arrival times.
+"""
+from __future__ import annotations
+
+import time
+from ..metrics import RunResult
+from .common import Clock, RunContext
+
+LABELS = {"C": "kvpage paged, no chunked prefill", "D": "kvpage paged + chunked prefill",
+          "E": "kvpage paged + chunked + prefix cache"}
+_MAX_IDLE_STEPS = 10_000
+
+
+def build_llm(ctx: RunContext, config: str):
+    """An ``LLM`` over ``ctx.model`` for configuration ``config`` (C, D or E)."""
+    from kvpage.llm import LLM
+
+    chunked = config in ("D", "E")
+    budget = ctx.token_budget if chunked else max(ctx.unchunked_token_budget, ctx.max_len)
+    return LLM(ctx.model, num_kv_blocks=ctx.num_kv_blocks, block_size=ctx.block_size,
+               max_num_seqs=ctx.max_num_seqs, max_num_batched_tokens=budget, enable_chunked_prefill=chunked,
+               enable_prefix_caching=config == "E", max_model_len=ctx.max_len, seed=ctx.seed)
+
+
+def _warm_up(llm, vocab: int) -> None:
+    """One short generate so lazy initialisation / JIT compilation stays out of the timing."""
+    from kvpage.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    llm.generate([[3 + (i % (vocab - 3)) for i in range(n)] for n in (5, 21)], params, use_tqdm=False)
+
+
+def _instrument(scheduler, result: RunResult) -> None:
+    """Record each non-empty step's batch size and the pool's fragmentation as it is scheduled."""
+    schedule = scheduler.schedule
+
+    def recording_schedule():
+        output = schedule()
+        if not output.is_empty:
+            result.concurrency_samples.append(len(output.requests))
+            result.kv_waste_samples.append(scheduler.pool.fragmentation)
+        return output
+
+    scheduler.schedule = recording_schedule
+
+
+def _drive(ctx: RunContext, llm, result: RunResult, desc: str) -> None:
+    from kvpage.sampling_params import SamplingParams
+
+    engine, requests, traces = llm.engine, ctx.workload.requests, ctx.new_traces()
+    added = done = idle = 0
+    clock = Clock()
+    with ctx.progress_bar(desc) as bar:
+        while done < len(requests):
+            while added < len(requests) and requests[added].arrival_s <= clock.now():
+                r = requests[added]
+                engine.add_request(list(r.prompt_ids), SamplingParams(max_tokens=r.max_tokens, temperature=0.0,
+                                                                      ignore_eos=True), r.request_id)
+                added += 1
+            if not engine.has_unfinished_requests():
+                clock.sleep_until(requests[added].arrival_s)
+                continue
+            deltas = engine.step()
+            now = clock.now()
+            idle = 0 if deltas else idle + 1
+            if idle > _MAX_IDLE_STEPS:
+                raise RuntimeError("the engine made no progress: a request can never be scheduled")
+            for delta in deltas:  # bookkeeping per sequence of the step, not per token of the run
+                trace = traces[delta.request_id]
+                trace.token_times.extend([now] * len(delta.token_ids))
+                trace.token_ids.extend(delta.token_ids)
+            finished = engine.take_finished()
+            done += len(finished)
+            bar.update(len(finished))
+    result.wall_s = clock.now()
+    result.traces = list(traces.values())
+
+
+def run(ctx: RunContext, config: str, replay: bool = False) -> RunResult:
+    """Run configuration ``config``. With ``replay``, also time the run's recorded steps through
+    the bare model (``extra["bare_forward_s"]``, see ``replay_forward_s``)."""
+    llm = build_llm(ctx, config)
+    try:
+        _warm_up(llm, ctx.loaded.vocab_size)
+        engine = llm.engine
+        engine.step_stats = type(engine.step_stats)()
+        before = engine.stats()
+        result = RunResult(config, LABELS[config])
+        _instrument(engine.scheduler, result)
+        steps = _Steps()
+        if replay:
+            _record_metadata(engine.runner, steps)
+        _drive(ctx, llm, result, f"{config} {LABELS[config]}")
+        after = engine.stats()
+        if replay:
+            del engine.runner.execute  # drop the recording wrapper: replay runs the plain method
+            # Best of two replays: the machine is shared, and the minimum is the least disturbed.
+            result.extra["bare_forward_s"] = min(replay_forward_s(llm, steps) for _ in range(2))
+            result.extra["forward_in_run_s"] = steps.forward_s
+    finally:
+        llm.restore()
+    result.num_preemptions = after["num_preemptions"] - before["num_preemptions"]
+    result.prefix_queried_tokens = after["prefix_cache_queries"] - before["prefix_cache_queries"]
+    result.prefix_hit_tokens = after["prefix_cache_hits"] - before["prefix_cache_hits"]
+    result.extra.update(num_kv_blocks=after["num_blocks"], num_steps=after["num_steps"])
+    return result
+
+
+class _Steps(list):
+    """Recorded step metadata, plus the seconds ``execute`` took for them during the run."""
+
+    forward_s: float = 0.0
+
+
+def _record_metadata(runner, sink: _Steps) -> None:
+    execute = runner.execute
+
+    def recording_execute(metadata):
+        sink.append(metadata)
+        start = time.perf_counter()
+        logits = execute(metadata)
+        sink.forward_s += time.perf_counter() - start
+        return logits
+
+    runner.execute = recording_execute
+
+
+def replay_forward_s(llm, steps: list) -> float:
+    """Seconds to run ``steps`` (recorded metadata) through the model back to back: no
+    scheduling, sampling or bookkeeping, the same batch shapes and KV traffic."""
+    import torch
+
+    runner = llm.engine.runner
+    sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for metadata in steps:
+            runner.execute(metadata)
+    sync()
+    return time.perf_counter() - start

@@ -1,0 +1,110 @@
+"""Runs the selected configurations side by side on each scenario and writes the report.
+
+Every configuration of a scenario sees the same workload and the same KV budget in
+bytes. Unless ``kv_budget_bytes`` is given, the budget is what ``static_seqs`` sequences
+at the longest scenario's ``max_len`` take: configuration A then batches ``static_seqs``
+requests (more on scenarios with shorter ``max_len``), while the paged configurations
+fit as many as the actual token counts allow.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from . import machine, model as model_mod, report, workload as wl
+from .runners import CONFIGS, RunContext
+
+DEFAULT_CONFIGS = {"sharegpt": "ABCDE", "burst": "ABCD", "shared-prefix": "ABDE"}
+
+
+@dataclass
+class SuiteOptions:
+    """Everything a run depends on. Token counts in tokens, ``kv_budget_bytes`` in bytes.
+
+    ``configs`` maps a scenario to the configuration letters run on it (default
+    ``DEFAULT_CONFIGS``); ``rate`` overrides the scale's Poisson arrival rate (requests/s).
+    """
+
+    model: str = "random-30m"
+    scenarios: tuple = wl.SCENARIOS
+    configs: Optional[dict] = None
+    scale: str = "cpu"
+    seed: int = 0
+    rate: Optional[float] = None
+    static_seqs: int = 8
+    kv_budget_bytes: Optional[int] = None
+    block_size: int = 16
+    max_num_seqs: int = 64
+    token_budget: int = 128
+    unchunked_token_budget: int = 2048
+    device: str = "cpu"
+    progress: bool = True
+    out_dir: Optional[Path] = None
+    extra: dict = field(default_factory=dict)
+
+
+def _budget(opts: SuiteOptions, loaded, workloads: list) -> int:
+    if opts.kv_budget_bytes is not None:
+        return opts.kv_budget_bytes
+    longest = max(-(-w.max_len // opts.block_size) * opts.block_size for w in workloads)
+    return opts.static_seqs * longest * loaded.kv_bytes_per_token
+
+
+def _run_scenario(opts: SuiteOptions, loaded, workload, budget: int, bar) -> dict[str, Any]:
+    ctx = RunContext(workload, loaded, budget, opts.block_size, opts.max_num_seqs, opts.token_budget,
+                     opts.unchunked_token_budget, opts.seed, opts.progress)
+    letters = (opts.configs or DEFAULT_CONFIGS).get(workload.name, "ABCDE")
+    results = []
+    for letter in letters:
+        bar.set_postfix_str(f"{workload.name} {letter}")
+        results.append(CONFIGS[letter][1](ctx))
+        bar.update(1)
+    return report.scenario_entry(workload, results, budget)
+
+
+def run_suite(opts: SuiteOptions) -> dict[str, Any]:
+    """Run every scenario; return the report dict (and write JSON/PNG/MD under ``out_dir``)."""
+    from tqdm.auto import tqdm
+
+    started = time.time()
+    loaded = model_mod.load(opts.model, opts.seed, opts.device)
+    scale = wl.SCALES[opts.scale]
+    workloads = [wl.build(name, scale, loaded.vocab_size, opts.seed, opts.rate) for name in opts.scenarios]
+    budget = _budget(opts, loaded, workloads)
+    letters = opts.configs or DEFAULT_CONFIGS
+    total = sum(len(letters.get(w.name, "ABCDE")) for w in workloads)
+    scenarios = []
+    with tqdm(total=total, desc="kvpage bench", unit="run", disable=not opts.progress) as bar:
+        for workload in workloads:
+            scenarios.append(_run_scenario(opts, loaded, workload, budget, bar))
+    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(opts).items()}
+    settings.update(num_params=loaded.num_params, kv_bytes_per_token=loaded.kv_bytes_per_token,
+                    kv_budget_bytes=budget, scale_params=asdict(scale))
+    result = {"format": "kvpage-bench/1", "machine": machine.describe(), "settings": settings,
+              "scenarios": scenarios, "elapsed_s": time.time() - started}
+    if opts.out_dir is not None:
+        write_outputs(result, Path(opts.out_dir))
+    return result
+
+
+def write_outputs(result: dict[str, Any], out_dir: Path) -> dict[str, Path]:
+    """Write ``bench.json``, ``bench.md`` and ``bench.png`` into ``out_dir``; return their paths."""
+    from .chart import write_png
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out_dir / "bench.json", "md": out_dir / "bench.md", "png": out_dir / "bench.png"}
+    result["chart_renderer"] = write_png(result, paths["png"])
+    paths["md"].write_text(markdown_report(result) + "\n", encoding="utf-8")
+    report.write_json(result, paths["json"])
+    return paths
+
+
+def markdown_report(result: dict[str, Any]) -> str:
+    m, s = result["machine"], result["settings"]
+    gpu = m["gpu"]["name"] if m["gpu"] else "none"
+    head = (f"kvpage bench — model {s['model']} ({s['num_params'] / 1e6:.1f}M params), scale {s['scale']}, "
+            f"KV budget {s['kv_budget_bytes'] / 2**20:.2f} MiB for every configuration; "
+            f"{m['cpu_model']} ({m['usable_cpus']} CPUs), torch {m['torch']}, GPU {gpu}")
+    return "\n\n".join([head] + [report.markdown(sc) for sc in result["scenarios"]])

@@ -1,0 +1,154 @@
+"""Seeded synthetic workloads: prompt/output lengths, per-request max_tokens, arrival times.
+
+Lengths are log-normal, the shape ShareGPT conversations have (a long right tail; the
+median well below the mean), scaled down by ``Scale`` so a 2-core CPU finishes quickly.
+Prompts are random token ids (no tokenizer is needed); generation is greedy with EOS
+ignored, so every configuration produces exactly ``max_tokens`` useful tokens per request.
+All times are seconds from the start of a run.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+SCENARIOS = ("sharegpt", "burst", "shared-prefix")
+FIRST_TOKEN_ID = 3  # ids 0-2 are pad/bos/eos in the random models; keep prompts clear of them
+
+
+@dataclass(frozen=True, slots=True)
+class BenchRequest:
+    """One request: prompt token ids, its own output length, its arrival time (s)."""
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    max_tokens: int
+    arrival_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """An ordered (FCFS by arrival) list of requests and what it needs from a cache."""
+
+    name: str
+    requests: tuple[BenchRequest, ...]
+    description: str = ""
+
+    @property
+    def max_len(self) -> int:
+        """Longest prompt + longest output, in tokens: what a static cache reserves per sequence.
+
+        (A left-padded batch may pair the longest prompt with the longest output.)
+        """
+        return max(len(r.prompt_ids) for r in self.requests) + max(r.max_tokens for r in self.requests)
+
+    @property
+    def num_useful_tokens(self) -> int:
+        return sum(r.max_tokens for r in self.requests)
+
+    @property
+    def is_online(self) -> bool:
+        return any(r.arrival_s > 0 for r in self.requests)
+
+
+@dataclass(frozen=True, slots=True)
+class Scale:
+    """Workload size knobs (tokens, counts, requests/s). ``arrival_rate`` 0 = all at t=0."""
+
+    num_requests: int = 24
+    prompt_median: int = 48
+    prompt_sigma: float = 0.9
+    output_median: int = 24
+    output_sigma: float = 0.7
+    max_prompt: int = 256
+    max_output: int = 64
+    arrival_rate: float = 20.0
+    burst_decoders: int = 16
+    burst_long_prompts: int = 3
+    burst_long_len: int = 256
+    burst_gap_s: float = 0.3
+    system_prompt_len: int = 256
+    question_median: int = 16
+
+
+SCALES = {
+    "tiny": Scale(num_requests=8, prompt_median=12, output_median=6, max_prompt=32, max_output=12,
+                  arrival_rate=200.0, burst_decoders=4, burst_long_prompts=1, burst_long_len=40, burst_gap_s=0.01,
+                  system_prompt_len=32, question_median=6),
+    "quick": Scale(num_requests=12, prompt_median=32, output_median=16, max_prompt=128, max_output=32,
+                   arrival_rate=20.0, burst_decoders=8, burst_long_prompts=2, burst_long_len=128, burst_gap_s=0.2,
+                   system_prompt_len=128, question_median=12),
+    "cpu": Scale(),
+    # Published-benchmark sizes: ShareGPT-like lengths (median prompt ~200, output ~150) and a 1k system prompt.
+    "full": Scale(num_requests=400, prompt_median=200, prompt_sigma=1.0, output_median=150, output_sigma=0.8,
+                  max_prompt=1536, max_output=512, arrival_rate=20.0, burst_decoders=128, burst_long_prompts=8,
+                  burst_long_len=1536, burst_gap_s=0.5, system_prompt_len=1024, question_median=48),
+}
+
+
+def _lognormal(rng: np.random.Generator, median: int, sigma: float, count: int, low: int, high: int) -> np.ndarray:
+    values = rng.lognormal(mean=np.log(median), sigma=sigma, size=count)
+    return np.clip(np.rint(values), low, high).astype(np.int64)
+
+
+def _arrivals(rng: np.random.Generator, count: int, rate: float) -> np.ndarray:
+    """Poisson process: exponential gaps of mean 1/rate, the first request at t=0."""
+    if rate <= 0:
+        return np.zeros(count)
+    gaps = rng.exponential(1.0 / rate, size=count)
+    gaps[0] = 0.0
+    return np.cumsum(gaps)
+
+
+def _prompt(rng: np.random.Generator, length: int, vocab: int) -> tuple[int, ...]:
+    return tuple(int(t) for t in rng.integers(FIRST_TOKEN_ID, vocab, size=length))
+
+
+def sharegpt(scale: Scale, vocab: int, seed: int, rate: Optional[float] = None) -> Workload:
+    """Mixed conversation-like lengths; optional Poisson arrivals (``rate`` overrides the scale)."""
+    rng = np.random.default_rng(seed)
+    n = scale.num_requests
+    prompts = _lognormal(rng, scale.prompt_median, scale.prompt_sigma, n, 4, scale.max_prompt)
+    outputs = _lognormal(rng, scale.output_median, scale.output_sigma, n, 2, scale.max_output)
+    times = _arrivals(rng, n, scale.arrival_rate if rate is None else rate)
+    requests = tuple(BenchRequest(f"s{i}", _prompt(rng, int(p), vocab), int(o), float(t))
+                     for i, (p, o, t) in enumerate(zip(prompts, outputs, times)))
+    return Workload("sharegpt", requests, "log-normal prompt/output lengths, ShareGPT-like shape")
+
+
+def burst(scale: Scale, vocab: int, seed: int) -> Workload:
+    """Many short-prompt decoders start at t=0; long prompts land while they decode."""
+    rng = np.random.default_rng(seed + 1)
+    k = scale.burst_decoders
+    outputs = _lognormal(rng, scale.max_output // 2, 0.2, k, 8, scale.max_output)
+    decoders = [BenchRequest(f"d{i}", _prompt(rng, int(rng.integers(4, 16)), vocab), int(o))
+                for i, o in enumerate(outputs)]
+    # Long prompts arrive every ``burst_gap_s`` while the decoders run; their outputs are short.
+    longs = [BenchRequest(f"L{j}", _prompt(rng, scale.burst_long_len, vocab), 8, scale.burst_gap_s * (j + 1))
+             for j in range(scale.burst_long_prompts)]
+    return Workload("burst", tuple(decoders + longs), "long prompts arriving while many requests decode")
+
+
+def shared_prefix(scale: Scale, vocab: int, seed: int, rate: Optional[float] = None) -> Workload:
+    """One system prompt shared by every request, plus a short distinct question."""
+    rng = np.random.default_rng(seed + 2)
+    n = scale.num_requests
+    system = _prompt(rng, scale.system_prompt_len, vocab)
+    questions = _lognormal(rng, scale.question_median, 0.5, n, 2, 4 * scale.question_median)
+    outputs = _lognormal(rng, scale.output_median, scale.output_sigma, n, 2, scale.max_output)
+    times = _arrivals(rng, n, scale.arrival_rate if rate is None else rate)
+    requests = tuple(BenchRequest(f"p{i}", system + _prompt(rng, int(q), vocab), int(o), float(t))
+                     for i, (q, o, t) in enumerate(zip(questions, outputs, times)))
+    return Workload("shared-prefix", requests, f"{len(system)}-token shared system prompt + short questions")
+
+
+def build(name: str, scale: Scale, vocab: int, seed: int, rate: Optional[float] = None) -> Workload:
+    """The workload ``name`` (one of ``SCENARIOS``); raises ``ValueError`` for unknown names."""
+    if name == "sharegpt":
+        return sharegpt(scale, vocab, seed, rate)
+    if name == "burst":
+        return burst(scale, vocab, seed)
+    if name == "shared-prefix":
+        return shared_prefix(scale, vocab, seed, rate)
+    raise ValueError(f"unknown scenario {name!r}; choose from {', '.join(SCENARIOS)}")
