@@ -84,7 +84,10 @@ class AsyncLLM:
                 continue
             self._stats = self.engine.stats()
             for observer in self.observers:
-                observer(deltas, finished)
+                try:
+                    observer(deltas, finished)
+                except Exception:  # noqa: BLE001 - a metrics bug must not stop the engine thread
+                    log.exception("step observer failed")
             self._dispatch(deltas, finished)
 
     def _drain_commands(self, block: bool) -> None:
@@ -108,8 +111,13 @@ class AsyncLLM:
 
     def _send(self, request_id: str, item: Any) -> None:
         sub = self._subscribers.get(request_id)
-        if sub is not None:
+        if sub is None:
+            return
+        try:
             sub.loop.call_soon_threadsafe(sub.queue.put_nowait, item)
+        except RuntimeError:  # the caller's event loop is closed: nobody can read this request
+            self._subscribers.pop(request_id, None)
+            self.engine.abort(request_id)
 
     def _abort_all(self, message: str) -> None:
         for request_id in list(self._subscribers):
@@ -159,21 +167,22 @@ class AsyncLLM:
         async for item in stream:
             yield item
 
+    def _abort_on_thread(self, request_id: str) -> bool:
+        # The stream ends with the aborted output, so a consumer other than the aborter
+        # is never left waiting forever.
+        output = self.engine.abort_with_output(request_id)
+        if output is not None:
+            self._send(request_id, output)
+        self._subscribers.pop(request_id, None)
+        return output is not None
+
     def abort_nowait(self, request_id: str) -> None:
         """Abort from any thread; takes effect before the engine's next step."""
-
-        def abort() -> None:
-            self._subscribers.pop(request_id, None)
-            self.engine.abort(request_id)
-
-        self._call(abort)
+        self._call(self._abort_on_thread, request_id)
 
     async def abort(self, request_id: str) -> bool:
-        def abort() -> bool:
-            self._subscribers.pop(request_id, None)
-            return self.engine.abort(request_id)
-
-        return await asyncio.wrap_future(self._call(abort))
+        """Abort a request; its stream ends with a final output (``finish_reason == "abort"``)."""
+        return await asyncio.wrap_future(self._call(self._abort_on_thread, request_id))
 
     def stats(self) -> dict:
         """Engine statistics as of the last step (safe to read from any thread)."""

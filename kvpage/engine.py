@@ -6,6 +6,7 @@ logits [S, V]`` and a tokenizer. A fault in one step fails only that step's requ
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import operator
 import time
@@ -176,17 +177,24 @@ class LLMEngine:
         import torch
 
         rows = [output.requests[i] for i in output.metadata.sample_seq_indices.tolist()]
-        finite = torch.isfinite(logits).all(dim=-1).tolist()
-        deltas = self._fail([r for r, ok in zip(rows, finite) if not ok], "the model produced non-finite logits")
-        if not all(finite):
+        # A row is unusable with a NaN or +inf anywhere, or nothing above -inf (models may
+        # mask part of the vocabulary with -inf, which is fine).
+        ok = (~(torch.isnan(logits) | torch.isposinf(logits)).any(dim=-1)
+              & (logits > float("-inf")).any(dim=-1)).tolist()
+        deltas = self._fail([r for r, good in zip(rows, ok) if not good], "the model produced non-finite logits")
+        if not all(ok):
             self.scheduler.discard_step_cache(output)
-        logits = torch.nan_to_num(logits)
-        result = self.sampler.sample(logits, rows)
-        forks = self._plan_forks(rows, finite, logits)
+        if not all(ok):
+            logits = torch.nan_to_num(logits)  # the failed rows are sampled, then ignored
+        result, errors = self._sample_isolated(logits, rows)
+        for j, message in errors.items():
+            deltas += self._fail([rows[j]], message)
+            ok[j] = False
+        forks = self._plan_forks(rows, ok, logits, deltas)
         self.scheduler.update_from_output(output, result.token_ids, {j: pairs for j, (_, pairs) in forks.items()})
         for j, request in enumerate(rows):
             owner = self._seq_owner.get(request.request_id)
-            if not finite[j] or owner is None:
+            if not ok[j] or owner is None:
                 continue
             child_result, pairs = forks.get(j, (None, ()))
             for child, _ in pairs:  # registered first, so the group stays open until all n end
@@ -198,13 +206,35 @@ class LLMEngine:
                                          float(child_result.token_logprobs[k])))
         return [d for d in deltas if d is not None]
 
-    def _plan_forks(self, rows: list[Request], finite: list[bool], logits: Any) -> dict:
+    def _sample_isolated(self, logits: Any, rows: list[Request]) -> tuple[Any, dict[int, str]]:
+        """Sample every row. If the sampler raises, retry row by row so that only the rows it
+        cannot sample (e.g. parameters that overflow) fail; returns (result, {row: message})."""
+        try:
+            return self.sampler.sample(logits, rows), {}
+        except Exception:  # noqa: BLE001 - one bad row must not fail the whole batch
+            pass
+        from .sampler import SampleResult
+
+        tokens, token_logprobs = np.zeros(len(rows), dtype=np.int64), np.zeros(len(rows))
+        logprobs: list = [None] * len(rows)
+        errors: dict[int, str] = {}
+        for j, request in enumerate(rows):
+            try:
+                one = self.sampler.sample(logits[j : j + 1], [request])
+            except Exception as exc:  # noqa: BLE001
+                errors[j] = _sampling_error(exc)
+                continue
+            tokens[j], logprobs[j], token_logprobs[j] = one.token_ids[0], one.logprobs[0], one.token_logprobs[0]
+        return SampleResult(tokens, logprobs, token_logprobs), errors
+
+    def _plan_forks(self, rows: list[Request], ok: list[bool], logits: Any, deltas: list) -> dict:
         """Parallel samples: at a group's first token, draw the other ``n - 1`` samples'
-        first tokens from the same logits row; the scheduler forks them off that row."""
+        first tokens from the same logits row; the scheduler forks them off that row.
+        A group whose samples cannot be drawn fails (its deltas go to ``deltas``)."""
         forks: dict = {}
         for j, request in enumerate(rows):
             owner = self._seq_owner.get(request.request_id)
-            if owner is None or not finite[j] or request.num_output_tokens:
+            if owner is None or not ok[j] or request.num_output_tokens:
                 continue
             group = owner[0]
             n = group.params.n
@@ -212,7 +242,12 @@ class LLMEngine:
                 continue
             children = [Request(f"{group.request_id}#{k}", group.prompt_token_ids, _child_params(request.sampling_params, k),
                                 request.eos_token_id, request.namespace) for k in range(1, n)]
-            result = self.sampler.sample(logits[j : j + 1].expand(n - 1, -1), children)
+            try:
+                result = self.sampler.sample(logits[j : j + 1].expand(n - 1, -1), children)
+            except Exception as exc:  # noqa: BLE001
+                deltas.extend(self._fail([request], _sampling_error(exc)))
+                ok[j] = False
+                continue
             forks[j] = (result, list(zip(children, result.token_ids.tolist())))
         return forks
 
@@ -318,6 +353,10 @@ class _StepStats:
                 "peak_kv_cache_usage": self.peak_usage, "peak_num_running": self.peak_running}
 
 
+def _sampling_error(exc: Exception) -> str:
+    return f"sampling failed: {type(exc).__name__}: {exc}"
+
+
 def _check_logits_shape(logits: Any, num_rows: int) -> None:
     """A runner that returns the wrong shape has failed its step (caught like any model fault)."""
     shape = tuple(getattr(logits, "shape", ()))
@@ -327,13 +366,9 @@ def _check_logits_shape(logits: Any, num_rows: int) -> None:
 
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:
     """Sample ``index`` of a group: one sample, its own seed derived from the group's."""
-    import dataclasses
-
     seed = None if params.seed is None else params.seed + index
     return dataclasses.replace(params, n=1, seed=seed)
 
 
 def _with_stop_ids(params: SamplingParams, extra: tuple) -> SamplingParams:
-    import dataclasses
-
     return dataclasses.replace(params, stop_token_ids=tuple(params.stop_token_ids) + extra)

@@ -141,7 +141,7 @@ class LLM:
     def _as_prompt_list(prompts: PromptsArg) -> list:
         if isinstance(prompts, str):
             return [prompts]
-        prompts = list(prompts)
+        prompts = _as_list(prompts, "prompts")
         if prompts and all(isinstance(t, int) for t in prompts):
             raise ValueError("pass token-id prompts as a list of lists: [[1, 2, 3]]")
         if not prompts:
@@ -154,7 +154,7 @@ class LLM:
             return [SamplingParams()] * count
         if isinstance(params, SamplingParams):
             return [params] * count
-        params = list(params)
+        params = _as_list(params, "sampling_params")
         if len(params) != count:
             raise ValueError(f"got {len(params)} SamplingParams for {count} prompts")
         return params
@@ -174,3 +174,10 @@ class LLM:
     def restore(self) -> None:
         """Give the model back its original attention implementation (plain HF use)."""
         self.engine.runner.restore()
+
+
+def _as_list(value: Any, name: str) -> list:
+    try:
+        return list(value)
+    except TypeError:
+        raise ValueError(f"{name} must be a list, got {type(value).__name__}") from None

@@ -16,6 +16,9 @@ import torch
 from .request import Request
 
 
+_LOGIT_LIMIT = 1e30  # finite in float32 with room for the softmax's max-subtraction
+
+
 @dataclass(slots=True)
 class SampleResult:
     token_ids: np.ndarray  # int64 [S]
@@ -80,7 +83,9 @@ class Sampler:
             seen = torch.tensor(sorted(set(requests[i].all_token_ids)), dtype=torch.long)
             seen = seen[seen < logits.shape[1]]
             values = logits[i, seen]
-            logits[i, seen] = torch.where(values > 0, values / penalty, values * penalty)
+            penalised = torch.where(values > 0, values / penalty, values * penalty)
+            # An extreme penalty must not overflow: keep the logits finite so they stay drawable.
+            logits[i, seen] = penalised.clamp(-_LOGIT_LIMIT, _LOGIT_LIMIT)
         return logits
 
     @staticmethod

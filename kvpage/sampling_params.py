@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
 
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """How one request samples and when it stops.
@@ -57,7 +60,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperatures below ``GREEDY_BELOW_TEMPERATURE`` are greedy: dividing logits by a
+        (sub)normal-tiny temperature would overflow them to inf."""
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
     def _validate(self) -> None:
         def is_int(value: object) -> bool:
