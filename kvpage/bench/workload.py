@@ -79,7 +79,8 @@ SCALES = {
     "quick": Scale(num_requests=12, prompt_median=32, output_median=16, max_prompt=128, max_output=32,
                    arrival_rate=20.0, burst_decoders=8, burst_long_prompts=2, burst_long_len=128, burst_gap_s=0.2,
                    system_prompt_len=128, question_median=12),
-    "cpu": Scale(),
+    # Enough requests, arriving fast enough, for paged batching to outgrow static's batch.
+    "cpu": Scale(num_requests=64, arrival_rate=40.0, burst_decoders=32, burst_long_prompts=4),
     # Published-benchmark sizes: ShareGPT-like lengths (median prompt ~200, output ~150) and a 1k system prompt.
     "full": Scale(num_requests=400, prompt_median=200, prompt_sigma=1.0, output_median=150, output_sigma=0.8,
                   max_prompt=1536, max_output=512, arrival_rate=20.0, burst_decoders=128, burst_long_prompts=8,
