@@ -1,6 +1,6 @@
 """End-to-end useful output tokens/s: HF static batches vs HF continuous batching vs kvpage.
 
-Run (one command, prints a table and writes ``bench_e2e.json``)::
+Run (one command, prints a table and writes ``bench_out/bench_e2e.json``)::
 
     python benchmarks/bench_e2e.py            # or: pytest benchmarks/bench_e2e.py --benchmark-only -s
 
@@ -118,12 +118,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--num-requests", type=int, default=48)
     parser.add_argument("--kv-seqs", type=int, default=48, help="KV budget of (b)/(c) in max-length sequences")
     parser.add_argument("--token-budget", type=int, default=2048, help="tokens per step for (b)/(c)")
-    parser.add_argument("--out", type=Path, default=Path("bench_e2e.json"))
+    parser.add_argument("--out", type=Path, default=Path("bench_out/bench_e2e.json"))
     args = parser.parse_args(argv)
     if min(args.num_requests, args.kv_seqs, args.token_budget) < 1:
         parser.error("--num-requests, --kv-seqs and --token-budget must be >= 1")
     result = measure(args.model, args.num_requests, args.kv_seqs, args.token_budget, progress=True)
     print(format_table(result))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1), encoding="utf-8")
     print(f"\nwrote {args.out}")
     return 0

@@ -22,10 +22,11 @@ __all__ = [
     "StepMetadata", "build_step_metadata", "PrefixMatch", "RadixCache", "FinishReason",
     "Request", "RequestStatus", "SamplingParams", "QueueFullError", "Scheduler", "SchedulerOutput",
 ]
-# ``LLM`` is reachable as ``kvpage.LLM`` but kept out of ``__all__`` so that a star import
-# stays torch-free.
+# ``LLM``, ``AsyncLLM`` and ``LLMEngine`` are reachable as attributes (imported on first use)
+# but kept out of ``__all__``, so that a star import stays light.
 
-_LAZY = {"LLM": ("kvpage.llm", "LLM")}
+_LAZY = {"LLM": ("kvpage.llm", "LLM"), "AsyncLLM": ("kvpage.async_engine", "AsyncLLM"),
+         "LLMEngine": ("kvpage.engine", "LLMEngine")}
 
 
 def __getattr__(name: str):
