@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from kvpage import LLM, SamplingParams
 from tiny_models import VOCAB, char_tokenizer, hf_greedy, tiny_model

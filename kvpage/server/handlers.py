@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Optional
 
 from kvpage.async_engine import AsyncLLM, RequestStream
-from kvpage.outputs import RequestOutput, StreamDelta
+from kvpage.outputs import RequestOutput
 
 from .errors import error_body
 from .protocol import ChatCompletionRequest, CompletionRequest
