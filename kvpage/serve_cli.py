@@ -64,5 +64,10 @@ def run_serve(args: argparse.Namespace) -> Optional[int]:
     stats = llm.stats()
     print(f"kvpage: serving {names[0]} on http://{args.host}:{args.port} with {stats['num_blocks']} KV blocks "
           f"of {args.block_size} tokens", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    except KeyboardInterrupt:
+        pass  # uvicorn re-raises the Ctrl-C it handled once it has shut down: not an error
+    finally:
+        async_llm.shutdown()  # idempotent: also covers a lifespan that was cancelled
     return 0
