@@ -149,6 +149,49 @@ def paged_attention(
         threads_per_block, kv_tile: tuning knobs (defaults: 128 threads, the largest tile
             fitting 46 KiB of shared memory; tiny values keep the simulator fast).
     """
+    num_tokens, num_heads, head_dim, num_kv_heads = _check_attention_shapes(
+        q, key_cache, value_cache, query_start_loc, seq_lens, block_tables, sinks)
+    window = int(sliding_window or 0)
+    if window < 0:
+        raise ValueError(f"sliding_window must be positive, got {sliding_window}")
+    num_seqs = int(seq_lens.shape[0])
+    if num_decodes is None or max_query_len is None or max_seq_len is None:
+        num_decodes, max_decode_ctx, max_query_len, max_seq_len = _sizes_from_host(
+            query_start_loc, seq_lens, num_tokens, num_decodes)
+    else:
+        max_decode_ctx = max_seq_len
+    if window:
+        max_decode_ctx = min(max_decode_ctx, window)
+
+    from .attention_kernels import attention_kernel, merge_kernel  # numba.cuda loads here, not before
+
+    _prepare()
+    launch_stream = interop.resolve_stream(stream, (q, key_cache))
+    out = interop.empty_like_kind(q, (num_tokens, num_heads, head_dim), interop.numpy_dtype(q), launch_stream)
+    if num_tokens == 0 or num_seqs == 0:
+        return _result(out, q)
+    launch = _Launch.build(q, key_cache, value_cache, query_start_loc, seq_lens, block_tables, out, sinks,
+                           float(scaling), window, float(softcap or 0.0), launch_stream,
+                           threads_per_block or (_SIM_THREADS if interop.simulator_enabled() else _DEFAULT_THREADS))
+    group = num_heads // num_kv_heads
+    if num_decodes:
+        tile = kv_tile or choose_tile(group, head_dim)
+        splits, partition = choose_splits(num_decodes * num_kv_heads, max_decode_ctx, tile, _num_sms(), num_splits)
+        launch.decode(attention_kernel(group, head_dim, group, tile, launch.threads), merge_kernel,
+                      num_decodes, num_kv_heads, num_heads, head_dim, splits, partition)
+    if num_seqs > num_decodes and max_query_len:
+        rows = prefill_rows(group, 4 if interop.simulator_enabled() else 16)
+        tile = kv_tile or choose_tile(rows, head_dim)
+        row_tiles = -(-(max_query_len * group) // rows)
+        launch.prefill(attention_kernel(rows, head_dim, group, tile, launch.threads),
+                       (num_seqs - num_decodes) * row_tiles, num_kv_heads, num_decodes, row_tiles,
+                       max(1, max_seq_len))
+    return _result(out, q)
+
+
+def _check_attention_shapes(q, key_cache, value_cache, query_start_loc, seq_lens, block_tables,
+                            sinks) -> tuple[int, int, int, int]:
+    """Validate shapes and dtypes; return (num_tokens, num_heads, head_dim, num_kv_heads)."""
     if len(q.shape) != 3 or len(key_cache.shape) != 4 or tuple(key_cache.shape) != tuple(value_cache.shape):
         raise ValueError(f"expected q [T, H, D] and two equal caches [N, B, H_kv, D], got {tuple(q.shape)}, "
                          f"{tuple(key_cache.shape)}, {tuple(value_cache.shape)}")
@@ -160,7 +203,6 @@ def paged_attention(
         raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
     for name, arr in (("q", q), ("key_cache", key_cache), ("value_cache", value_cache)):
         _check_float(name, arr)
-    group = num_heads // num_kv_heads
     num_seqs = int(seq_lens.shape[0])
     if tuple(query_start_loc.shape) != (num_seqs + 1,):
         raise ValueError(f"query_start_loc must be [{num_seqs + 1}], got {tuple(query_start_loc.shape)}")
@@ -168,87 +210,76 @@ def paged_attention(
         raise ValueError(f"block_tables must be [{num_seqs}, max_blocks], got {tuple(block_tables.shape)}")
     if sinks is not None and tuple(sinks.shape) != (num_heads,):
         raise ValueError(f"sinks must be [{num_heads}], got {tuple(sinks.shape)}")
-    window = int(sliding_window or 0)
-    if window < 0:
-        raise ValueError(f"sliding_window must be positive, got {sliding_window}")
-    cap = float(softcap or 0.0)
+    return num_tokens, num_heads, head_dim, num_kv_heads
 
-    if num_decodes is None or max_query_len is None or max_seq_len is None:
-        qsl = _host_int(query_start_loc, "query_start_loc")
-        lens = _host_int(seq_lens, "seq_lens")
-        q_lens = np.diff(qsl)
-        if num_seqs and (qsl[0] != 0 or qsl[-1] != num_tokens or (q_lens < 0).any()):
-            raise ValueError("query_start_loc must rise from 0 to num_tokens")
-        if (lens < q_lens).any():
-            raise ValueError("seq_lens must be >= each sequence's query length")
-        if num_decodes is None:
-            not_decode = np.flatnonzero(q_lens != 1)
-            num_decodes = int(not_decode[0]) if not_decode.size else num_seqs
-        decode_ctx = lens[:num_decodes]
-        max_decode_ctx = int(decode_ctx.max()) if num_decodes else 0
-        max_query_len = int(q_lens[num_decodes:].max()) if num_seqs > num_decodes else 0
-        max_seq_len = int(lens.max()) if num_seqs else 0
-    else:
-        max_decode_ctx = max_seq_len
-    if window:
-        max_decode_ctx = min(max_decode_ctx, window)
 
-    from .attention_kernels import attention_kernel, merge_kernel  # numba.cuda loads here, not before
+def _sizes_from_host(query_start_loc, seq_lens, num_tokens: int,
+                     num_decodes: Optional[int]) -> tuple[int, int, int, int]:
+    """(num_decodes, longest decode context, longest prefill query, longest context), read on the host."""
+    qsl = _host_int(query_start_loc, "query_start_loc")
+    lens = _host_int(seq_lens, "seq_lens")
+    num_seqs = int(lens.shape[0])
+    q_lens = np.diff(qsl)
+    if num_seqs and (qsl[0] != 0 or qsl[-1] != num_tokens or (q_lens < 0).any()):
+        raise ValueError("query_start_loc must rise from 0 to num_tokens")
+    if (lens < q_lens).any():
+        raise ValueError("seq_lens must be >= each sequence's query length")
+    if num_decodes is None:
+        not_decode = np.flatnonzero(q_lens != 1)
+        num_decodes = int(not_decode[0]) if not_decode.size else num_seqs
+    max_decode_ctx = int(lens[:num_decodes].max()) if num_decodes else 0
+    max_query_len = int(q_lens[num_decodes:].max()) if num_seqs > num_decodes else 0
+    max_seq_len = int(lens.max()) if num_seqs else 0
+    return num_decodes, max_decode_ctx, max_query_len, max_seq_len
 
-    _prepare()
 
-    launch_stream = interop.resolve_stream(stream, (q, key_cache))
-    out = interop.empty_like_kind(q, (num_tokens, num_heads, head_dim), interop.numpy_dtype(q), launch_stream)
-    if num_tokens == 0 or num_seqs == 0:
-        return _result(out, q)
+class _Launch:
+    """Kernel arguments shared by the decode and prefill launches of one call."""
 
-    sim = interop.simulator_enabled()
-    threads = threads_per_block or (_SIM_THREADS if sim else _DEFAULT_THREADS)
-    q_arg, k_arg, v_arg = (interop.as_kernel_arg(a, launch_stream) for a in (q, key_cache, value_cache))
-    qsl_arg = _meta_arg(query_start_loc, np.int32, launch_stream)
-    lens_arg = _meta_arg(seq_lens, np.int32, launch_stream)
-    bt_arg = _meta_arg(block_tables, np.int32, launch_stream)
-    f32 = np.float32
+    def __init__(self, common: tuple, flags: tuple, out_arg: Any, scratch, stream: Any, threads: int) -> None:
+        self.common, self.flags, self.out_arg = common, flags, out_arg
+        self.scratch, self.stream, self.threads = scratch, stream, threads
+        # Unused partial buffers still need the right rank/dtype: one compiled variant serves both modes.
+        self.no_parts = (scratch((1, 1, 1)), scratch((1, 1, 1)), scratch((1, 1, 1, 1)))
 
-    def scratch(shape: tuple) -> Any:
-        return interop.as_kernel_arg(interop.empty_like_kind(q, shape, f32, launch_stream), launch_stream)
+    @classmethod
+    def build(cls, q, key_cache, value_cache, query_start_loc, seq_lens, block_tables, out, sinks, scaling: float,
+              window: int, cap: float, stream: Any, threads: int) -> "_Launch":
+        q_arg, k_arg, v_arg = (interop.as_kernel_arg(a, stream) for a in (q, key_cache, value_cache))
+        meta = tuple(_meta_arg(a, np.int32, stream) for a in (query_start_loc, seq_lens, block_tables))
 
-    if sinks is None:
-        sinks_arg, has_sinks = scratch((1,)), 0
-    else:
-        sinks_arg, has_sinks = _float_arg(sinks, launch_stream), 1
-    out_arg = interop.as_kernel_arg(out, launch_stream)
-    common = (q_arg, k_arg, v_arg, qsl_arg, lens_arg, bt_arg)
-    flags = (float(scaling), window, cap, sinks_arg, has_sinks)
-    # Unused partial buffers still need the right rank/dtype: one compiled variant serves both modes.
-    no_parts = (scratch((1, 1, 1)), scratch((1, 1, 1)), scratch((1, 1, 1, 1)))
+        def scratch(shape: tuple) -> Any:
+            return interop.as_kernel_arg(interop.empty_like_kind(q, shape, np.float32, stream), stream)
 
-    if num_decodes:
-        tile = kv_tile or choose_tile(group, head_dim)
-        splits, partition = choose_splits(num_decodes * num_kv_heads, max_decode_ctx, tile, _num_sms(), num_splits)
-        kernel = attention_kernel(group, head_dim, group, tile, threads)
+        if sinks is None:
+            sinks_arg, has_sinks = scratch((1,)), 0
+        else:
+            sinks_arg, has_sinks = _float_arg(sinks, stream), 1
+        flags = (scaling, window, cap, sinks_arg, has_sinks)
+        return cls((q_arg, k_arg, v_arg, *meta), flags, interop.as_kernel_arg(out, stream), scratch, stream, threads)
+
+    def decode(self, kernel, merge_kernel, num_decodes: int, num_kv_heads: int, num_heads: int, head_dim: int,
+               splits: int, partition: int) -> None:
+        """Split-K decode over ``splits`` context partitions, merged by log-sum-exp when > 1."""
         grid = (num_decodes, num_kv_heads, splits)
         if splits == 1:
-            kernel[grid, threads, launch_stream](*common, 0, 1, *flags, partition, 0, out_arg, *no_parts)
-        else:
-            part_max = scratch((num_decodes, num_heads, splits))
-            part_sum = scratch((num_decodes, num_heads, splits))
-            part_acc = scratch((num_decodes, num_heads, splits, head_dim))
-            kernel[grid, threads, launch_stream](*common, 0, 1, *flags, partition, 1, out_arg,
-                                                 part_max, part_sum, part_acc)
-            merge_threads = min(threads, head_dim)
-            merge_kernel(head_dim, merge_threads)[(num_decodes, num_heads), merge_threads, launch_stream,
-                                                   4 * (splits + 1)](
-                part_max, part_sum, part_acc, splits, sinks_arg, has_sinks, 0, out_arg)
+            kernel[grid, self.threads, self.stream](*self.common, 0, 1, *self.flags, partition, 0, self.out_arg,
+                                                    *self.no_parts)
+            return
+        part_max = self.scratch((num_decodes, num_heads, splits))
+        part_sum = self.scratch((num_decodes, num_heads, splits))
+        part_acc = self.scratch((num_decodes, num_heads, splits, head_dim))
+        kernel[grid, self.threads, self.stream](*self.common, 0, 1, *self.flags, partition, 1, self.out_arg,
+                                                part_max, part_sum, part_acc)
+        merge_threads = min(self.threads, head_dim)
+        sinks_arg, has_sinks = self.flags[3], self.flags[4]
+        merge_kernel(head_dim, merge_threads)[(num_decodes, num_heads), merge_threads, self.stream,
+                                               4 * (splits + 1)](
+            part_max, part_sum, part_acc, splits, sinks_arg, has_sinks, 0, self.out_arg)
 
-    num_prefills = num_seqs - num_decodes
-    if num_prefills and max_query_len:
-        rows = prefill_rows(group, 4 if sim else 16)
-        tile = kv_tile or choose_tile(rows, head_dim)
-        row_tiles = -(-(max_query_len * group) // rows)
-        kernel = attention_kernel(rows, head_dim, group, tile, threads)
-        grid = (num_prefills * row_tiles, num_kv_heads, 1)
-        partition = max(1, max_seq_len)
-        kernel[grid, threads, launch_stream](*common, num_decodes, row_tiles, *flags, partition, 0, out_arg,
-                                             *no_parts)
-    return _result(out, q)
+    def prefill(self, kernel, num_blocks: int, num_kv_heads: int, first_seq: int, row_tiles: int,
+                partition: int) -> None:
+        """Prefill/chunk rows of the sequences from ``first_seq`` on, ``row_tiles`` blocks each."""
+        grid = (num_blocks, num_kv_heads, 1)
+        kernel[grid, self.threads, self.stream](*self.common, first_seq, row_tiles, *self.flags, partition, 0,
+                                                self.out_arg, *self.no_parts)
