@@ -100,7 +100,40 @@ def build_app(llm: AsyncLLM, tokenizer: Any, served_model_names: list[str], max_
 
     def check_model(name: Optional[str]) -> None:
         if name is not None and name not in served_model_names:
-            raise handlers_model_error(name, served_model_names)
+            raise _model_not_found(name, served_model_names)
+
+    _install_error_handlers(app)
+
+    @app.get("/health")
+    async def health():
+        if not llm.is_running:
+            return error_response(503, "engine is not running")
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", dependencies=[Depends(check_key)])
+    async def models():
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "kvpage",
+                                            "max_model_len": max_model_len} for name in served_model_names]}
+
+    @app.post("/v1/completions", dependencies=[Depends(check_key)])
+    async def completions(body: CompletionRequest):
+        check_model(body.model)
+        return _respond(await handlers.completions(ctx, body))
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(check_key)])
+    async def chat_completions(body: ChatCompletionRequest):
+        check_model(body.model)
+        return _respond(await handlers.chat_completions(ctx, body))
+
+    return app
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    """Map every failure to an OpenAI-shaped error response."""
 
     @app.exception_handler(_AuthError)
     async def _auth(_: Request, __: _AuthError):
@@ -132,39 +165,12 @@ def build_app(llm: AsyncLLM, tokenizer: Any, served_model_names: list[str], max_
     async def _unexpected(_: Request, exc: Exception):
         return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
 
-    @app.get("/health")
-    async def health():
-        if not llm.is_running:
-            return error_response(503, "engine is not running")
-        return {"status": "ok"}
-
-    @app.get("/metrics")
-    async def prometheus_metrics():
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/v1/models", dependencies=[Depends(check_key)])
-    async def models():
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "kvpage",
-                                            "max_model_len": max_model_len} for name in served_model_names]}
-
-    @app.post("/v1/completions", dependencies=[Depends(check_key)])
-    async def completions(body: CompletionRequest):
-        check_model(body.model)
-        return _respond(await handlers.completions(ctx, body))
-
-    @app.post("/v1/chat/completions", dependencies=[Depends(check_key)])
-    async def chat_completions(body: ChatCompletionRequest):
-        check_model(body.model)
-        return _respond(await handlers.chat_completions(ctx, body))
-
-    return app
-
 
 class _AuthError(Exception):
     pass
 
 
-def handlers_model_error(name: str, served: list[str]) -> ValueError:
+def _model_not_found(name: str, served: list[str]) -> ValueError:
     error = ValueError(f"the model {name!r} does not exist; this server serves {served}")
     error.param, error.code = "model", "model_not_found"  # type: ignore[attr-defined]
     return error
