@@ -253,12 +253,13 @@ def test_api_key_is_required(guarded_server):
 
 def test_full_waiting_queue_gets_503_with_retry_after(guarded_server):
     headers = {"Authorization": "Bearer s3cret"}
-    body = {"prompt": "busy " * 4, "max_tokens": 60, "ignore_eos": True, "temperature": 0}
+    # Long enough that the one running request outlasts the flood's arrival.
+    body = {"prompt": "busy " * 4, "max_tokens": 100, "ignore_eos": True, "temperature": 0}
 
     async def flood():
         async with httpx.AsyncClient(base_url=guarded_server, headers=headers, timeout=120) as client:
             return await asyncio.wait_for(asyncio.gather(*(client.post("/v1/completions", json=body)
-                                                           for _ in range(6))), timeout=180)
+                                                           for _ in range(8))), timeout=180)
 
     responses = asyncio.run(flood())
     codes = sorted(r.status_code for r in responses)
