@@ -8,7 +8,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [[ -n "${PYTHON:-}" ]]; then PY="$PYTHON"
-elif [[ -x /tmp/venv/bin/python ]]; then PY=/tmp/venv/bin/python
+elif [[ -x .venv/bin/python ]]; then PY=.venv/bin/python   # the venv `make test` builds
 else PY=python3; fi
 export PYTHONSAFEPATH=1   # keep the repo root (and its cuda/ dir) off sys.path
 status=0
@@ -21,7 +21,7 @@ step "PTX / ptxas report (sm_90)"
 NUMBA_FORCE_CUDA_CC=9.0 timeout 90 "$PY" -m kvpage.cuda.ptx_check || status=1
 
 step "GPU tests"
-timeout 150 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_cuda_gpu.py || status=1
+timeout 150 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_cuda_gpu.py tests/test_gpu_engine.py || status=1
 
 step "microbenchmarks"
 timeout 120 "$PY" -m pytest -q -p no:cacheprovider benchmarks/bench_cuda.py --benchmark-only \

@@ -84,7 +84,8 @@ def tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32):
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     """HF ``generate`` greedy continuation of one unpadded prompt, ignoring EOS."""
     with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        ids = torch.tensor([prompt], device=model.device)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids),
                              max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
                              eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt):].tolist()
