@@ -95,3 +95,13 @@ def test_unsupported_models_are_refused_with_a_reason(family):
     with pytest.raises(UnsupportedModelError, match="attention"):
         LLM(model, block_size=4, num_kv_blocks=16, max_model_len=64)
     assert model.config._attn_implementation != "kvpage"  # left as it was
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_kv_runs_and_matches(dtype):
+    """16-bit models keep 16-bit KV blocks (fp32 accumulation); greedy still follows HF here."""
+    model = tiny_model("llama", dtype=dtype)
+    prompts = _prompts(6, (3, 6, 13))
+    expected = [hf_greedy(model, p, MAX_NEW) for p in prompts]
+    got, _ = _run(model, prompts, block_size=4, num_kv_blocks=48, max_model_len=64, max_num_batched_tokens=8)
+    assert got == expected
