@@ -93,6 +93,17 @@ def assert_no_leak(engine) -> None:
     engine.scheduler.check_integrity()
 
 
+def drain(engine) -> dict:
+    """Step until nothing is left (at most MAX_STEPS); return the finished outputs by id."""
+    finals = {}
+    for _ in range(MAX_STEPS):
+        engine.step()
+        finals.update(engine.take_finished())
+        if not engine.has_unfinished_requests():
+            break
+    return finals
+
+
 def bounded_generate(llm: LLM, prompts, params=GREEDY):
     """``llm.generate`` that fails the test instead of hanging if steps stop finishing requests."""
     engine, real_step = llm.engine, llm.engine.step
@@ -204,12 +215,7 @@ def test_a_row_the_sampler_cannot_draw_fails_alone(fresh, expected):
     engine.sampler.sample = sample
     try:
         ids = [engine.add_request(p, GREEDY, request_id=str(i)) for i, p in enumerate(PROMPTS)]
-        finals = {}
-        for _ in range(MAX_STEPS):
-            engine.step()
-            finals.update(engine.take_finished())
-            if not engine.has_unfinished_requests():
-                break
+        finals = drain(engine)
     finally:
         del engine.sampler.sample
     for rid, want in zip(ids, expected):
@@ -408,12 +414,7 @@ def test_a_full_waiting_queue_refuses_cleanly_and_keeps_serving(fresh, expected)
         ids = [engine.add_request(p, GREEDY) for p in PROMPTS[:2]]
         with pytest.raises(QueueFullError, match="retry later"):
             engine.add_request(PROMPTS[2], GREEDY)
-        finals = {}
-        for _ in range(MAX_STEPS):
-            engine.step()
-            finals.update(engine.take_finished())
-            if not engine.has_unfinished_requests():
-                break
+        finals = drain(engine)
     finally:
         scheduler.config = original
     assert [finals[rid].outputs[0].token_ids for rid in ids] == expected[:2]
