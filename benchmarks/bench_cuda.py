@@ -13,7 +13,6 @@ as the GPU stays busy.
 """
 from __future__ import annotations
 
-import os
 import sys
 
 import numpy as np
@@ -25,16 +24,9 @@ PEAK_TABLE = {"H200": 4.8e12, "H100 SXM": 3.35e12, "H100 PCIe": 2.0e12, "H100": 
 
 def gpu_reason() -> str | None:
     """Why the GPU benchmarks cannot run here (None when they can)."""
-    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
-        return "NUMBA_ENABLE_CUDASIM=1"
-    try:
-        import cupy
+    from kvpage.cuda.interop import gpu_unavailable_reason
 
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            return "no CUDA device"
-    except Exception as exc:
-        return f"cupy/CUDA unavailable: {exc}"
-    return None
+    return gpu_unavailable_reason()
 
 
 def peak_bandwidth() -> tuple[float, str]:

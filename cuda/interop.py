@@ -25,6 +25,20 @@ def simulator_enabled() -> bool:
     return bool(config.ENABLE_CUDASIM)
 
 
+def gpu_unavailable_reason() -> Optional[str]:
+    """Why real-GPU work cannot run here (None when a CUDA device is usable through CuPy)."""
+    if simulator_enabled():
+        return "NUMBA_ENABLE_CUDASIM=1: real-GPU work needs the real driver"
+    try:
+        import cupy
+
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return "no CUDA device"
+    except Exception as exc:  # noqa: BLE001 - ImportError, or a broken CUDA runtime
+        return f"no usable CUDA device: {exc}"
+    return None
+
+
 def array_kind(x: Any) -> str:
     """Which library ``x`` belongs to; raises ValueError for anything unsupported."""
     if isinstance(x, np.ndarray):

@@ -5,30 +5,15 @@ Marked ``gpu``; skipped cleanly where CuPy or a device is missing. Realistic sha
 """
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import pytest
 
 from kvpage.attention import paged_attention_reference, write_kv_reference
+from kvpage.cuda.interop import gpu_unavailable_reason
 
 
-def _gpu_reason() -> str | None:
-    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
-        return "NUMBA_ENABLE_CUDASIM=1: real-GPU tests need the real driver"
-    try:
-        import cupy
-    except Exception as exc:  # ImportError, or a broken CUDA runtime
-        return f"cupy unavailable: {exc}"
-    try:
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            return "no CUDA device"
-    except Exception as exc:
-        return f"no CUDA device: {exc}"
-    return None
-
-
-_REASON = _gpu_reason()
+_REASON = gpu_unavailable_reason()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_REASON is not None, reason=_REASON or "")]
 
 BLOCK_SIZE = 16

@@ -8,19 +8,14 @@ import pytest
 import torch
 
 from kvpage import LLM, SamplingParams
+from kvpage.cuda.interop import gpu_unavailable_reason
 from tiny_models import VOCAB, hf_greedy, tiny_model
 
 
 def _gpu_reason():
     if not torch.cuda.is_available():
         return "torch sees no CUDA device"
-    try:
-        import cupy
-
-        cupy.cuda.runtime.getDeviceCount()
-    except Exception as exc:  # noqa: BLE001 - any failure means no usable GPU stack
-        return f"cupy unavailable: {exc}"
-    return None
+    return gpu_unavailable_reason()
 
 
 _REASON = _gpu_reason()
