@@ -1,25 +1,31 @@
 """Attention backends the HF adapter can run on, behind one small protocol
-(``prepare`` once per step, then ``write_kv`` and ``attention`` per layer).
+(``hf_attention.AttentionBackend``: ``prepare`` once per step, then ``write_kv`` and
+``attention`` per layer), registered by name.
 
-``CpuBackend`` is the fast CPU path, ``CudaBackend`` the Numba kernels on GPU, and
-``ReferenceBackend`` the numpy oracle (slow; for checking).
+``cpu`` is the fast CPU path, ``cuda`` the Numba kernels on GPU, and ``reference`` the
+numpy oracle (slow; for checking). Every size a backend needs (``num_decodes``,
+``max_prefill_query_len``, ...) is read from the ``StepMetadata``, never recomputed.
+Other backends join with ``register_attention_backend(name, factory)``.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
 
 from kvpage.attention.reference import paged_attention_reference
+from kvpage.core.metadata import StepMetadata
+
+from .hf_attention import AttentionBackend
 
 
 @dataclass(slots=True)
 class ReferenceStep:
     """The step's metadata (numpy index arrays) plus its slot mapping as a torch tensor."""
 
-    metadata: Any
+    metadata: StepMetadata
     slot_mapping: torch.Tensor  # int64 [T]
 
 
@@ -31,7 +37,7 @@ class ReferenceBackend:
     def __init__(self, device: torch.device) -> None:
         self.device = device
 
-    def prepare(self, metadata: Any) -> ReferenceStep:
+    def prepare(self, metadata: StepMetadata) -> ReferenceStep:
         return ReferenceStep(metadata, torch.as_tensor(metadata.slot_mapping, dtype=torch.int64, device=self.device))
 
     def write_kv(self, key_cache, value_cache, k, v, prepared: ReferenceStep) -> None:
@@ -55,11 +61,14 @@ class CpuBackend:
 
     name = "cpu"
 
-    def prepare(self, metadata: Any):
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def prepare(self, metadata: StepMetadata):
         from kvpage.attention.cpu import prepare_cpu_attention_metadata
 
         return prepare_cpu_attention_metadata(metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
-                                              slot_mapping=metadata.slot_mapping)
+                                              slot_mapping=metadata.slot_mapping, num_decodes=metadata.num_decodes)
 
     def write_kv(self, key_cache, value_cache, k, v, prepared) -> None:
         from kvpage.attention.cpu import write_kv_cpu
@@ -81,7 +90,7 @@ class CudaIndices:
     seq_lens: torch.Tensor
     block_tables: torch.Tensor
     num_decodes: int
-    max_query_len: int
+    max_prefill_query_len: int
     max_seq_len: int
 
 
@@ -91,13 +100,15 @@ class CudaBackend:
     name = "cuda"
 
     def __init__(self, device: torch.device) -> None:
+        if device.type != "cuda":
+            raise ValueError("the 'cuda' attention backend needs the model on a CUDA device")
         self.device = device
 
-    def prepare(self, metadata: Any) -> CudaIndices:
+    def prepare(self, metadata: StepMetadata) -> CudaIndices:
         as_dev = lambda a, dt: torch.as_tensor(np.asarray(a), dtype=dt).to(self.device, non_blocking=True)  # noqa: E731
         return CudaIndices(as_dev(metadata.slot_mapping, torch.int64), as_dev(metadata.query_start_loc, torch.int32),
                            as_dev(metadata.seq_lens, torch.int32), as_dev(metadata.block_tables, torch.int32),
-                           int(metadata.num_decodes), int(metadata.max_query_len), int(metadata.max_seq_len))
+                           metadata.num_decodes, metadata.max_prefill_query_len, metadata.max_seq_len)
 
     def write_kv(self, key_cache, value_cache, k, v, prepared: CudaIndices) -> None:
         from kvpage.cuda import store_kv
@@ -111,23 +122,36 @@ class CudaBackend:
         return paged_attention(q.contiguous(), key_cache, value_cache, prepared.query_start_loc, prepared.seq_lens,
                                prepared.block_tables, scaling, sliding_window, softcap,
                                None if sinks is None else sinks.detach().float().contiguous(),
-                               num_decodes=prepared.num_decodes, max_query_len=prepared.max_query_len,
+                               num_decodes=prepared.num_decodes,
+                               max_prefill_query_len=prepared.max_prefill_query_len,
                                max_seq_len=prepared.max_seq_len)
 
 
-BACKENDS = ("auto", "cpu", "cuda", "reference")
+BackendFactory = Callable[[torch.device], AttentionBackend]
+_REGISTRY: dict[str, BackendFactory] = {}
 
 
-def select_backend(name: str, device: torch.device):
-    """Backend by name; ``"auto"`` picks ``cuda`` on a GPU and ``cpu`` otherwise."""
-    if name not in BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; expected one of {BACKENDS}")
+def register_attention_backend(name: str, factory: BackendFactory) -> None:
+    """Make ``factory(device)`` selectable as ``attention_backend=name`` (replaces a same-named one)."""
+    if not name or name == "auto":
+        raise ValueError(f"a backend cannot be registered as {name!r}")
+    _REGISTRY[name] = factory
+
+
+def attention_backend_names() -> list[str]:
+    return ["auto", *_REGISTRY]
+
+
+def select_backend(name: str, device: torch.device) -> AttentionBackend:
+    """The backend registered as ``name``; ``"auto"`` is ``cuda`` on a GPU and ``cpu`` otherwise."""
     if name == "auto":
         name = "cuda" if device.type == "cuda" else "cpu"
-    if name == "reference":
-        return ReferenceBackend(device)
-    if name == "cuda":
-        if device.type != "cuda":
-            raise ValueError("the 'cuda' attention backend needs the model on a CUDA device")
-        return CudaBackend(device)
-    return CpuBackend()
+    factory = _REGISTRY.get(name)
+    if factory is None:
+        raise ValueError(f"unknown attention backend {name!r}; expected one of {attention_backend_names()}")
+    return factory(device)
+
+
+register_attention_backend("cpu", CpuBackend)
+register_attention_backend("cuda", CudaBackend)
+register_attention_backend("reference", ReferenceBackend)

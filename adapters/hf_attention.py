@@ -20,25 +20,31 @@ import contextlib
 import contextvars
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional, Protocol
+from typing import Any, Iterator, Optional, Protocol, Union
 
 import torch
+
+from kvpage.core.metadata import StepMetadata
 
 ATTN_IMPLEMENTATION = "kvpage"
 
 
 class AttentionBackend(Protocol):
-    """What the adapter needs from an attention backend (see ``kvpage.attention``)."""
+    """What the adapter needs from an attention backend; see ``attention_backends``."""
 
-    def prepare(self, metadata: Any) -> Any:
-        """Turn a ``StepMetadata`` into whatever the backend reads per layer (built once per step)."""
+    name: str
+
+    def prepare(self, metadata: StepMetadata) -> Any:
+        """Turn the step's metadata into what the backend reads per layer (once per step)."""
 
     def write_kv(self, key_cache: torch.Tensor, value_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 prepared: Any) -> None: ...
+                 prepared: Any) -> None:
+        """Scatter the step's new K/V rows ``[T, H_kv, D]`` into the layer's buffers by slot."""
 
     def attention(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, prepared: Any,
                   scaling: float, sliding_window: Optional[int], softcap: Optional[float],
-                  sinks: Optional[torch.Tensor]) -> torch.Tensor: ...
+                  sinks: Optional[torch.Tensor]) -> torch.Tensor:
+        """Paged attention of ``q`` ``[T, H, D]`` over each sequence's context; ``[T, H, D]``."""
 
 
 @dataclass
@@ -46,8 +52,9 @@ class PagedForwardContext:
     """Everything one forward step's attention layers need.
 
     ``key_caches[l]`` / ``value_caches[l]`` are layer ``l``'s paged buffers
-    ``[num_blocks, block_size, num_kv_heads, head_dim]``. ``layers_called`` counts the
-    attention calls of this forward so the runner can detect layers that bypass the interface.
+    ``[num_blocks, block_size, num_kv_heads, head_dim]``; ``prepared`` is the backend's
+    per-step view of the ``StepMetadata``. ``layers_called`` counts the attention calls of
+    this forward, so the runner can detect layers that bypass the interface.
     """
 
     key_caches: list
@@ -55,13 +62,39 @@ class PagedForwardContext:
     backend: AttentionBackend
     prepared: Any
     layers_called: int = 0
-    layer_index_of: dict = field(default_factory=dict)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
+               sliding_window: Optional[int], softcap: Optional[float], sinks: Optional[torch.Tensor]) -> torch.Tensor:
+        """Write layer ``layer``'s new K/V, then attend; tensors are ``[T, heads, D]``."""
+        self.layers_called += 1
+        key_cache, value_cache = self.key_caches[layer], self.value_caches[layer]
+        self.backend.write_kv(key_cache, value_cache, k, v, self.prepared)
+        return self.backend.attention(q, key_cache, value_cache, self.prepared, scaling, sliding_window, softcap, sinks)
 
 
-def _layer_index(module: torch.nn.Module, context: PagedForwardContext) -> int:
+@dataclass(frozen=True, slots=True)
+class LayerKVShape:
+    num_kv_heads: int
+    head_dim: int
+
+
+@dataclass
+class ProbeContext:
+    """A forward with attention stubbed out: records each layer's K shape and dtype."""
+
+    shapes: dict = field(default_factory=dict)  # layer index -> LayerKVShape
+    dtype: Optional[torch.dtype] = None
+    layers_called: int = 0
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any) -> torch.Tensor:
+        self.layers_called += 1
+        self.shapes[layer] = LayerKVShape(int(k.shape[1]), int(k.shape[2]))
+        self.dtype = k.dtype
+        return torch.zeros_like(q)
+
+
+def _layer_index(module: torch.nn.Module) -> int:
     index = getattr(module, "layer_idx", None)
-    if index is None:
-        index = context.layer_index_of.get(id(module))
     if index is None:
         raise ValueError(f"{type(module).__name__} has no layer_idx; kvpage cannot tell which KV buffer it owns")
     return int(index)
@@ -78,7 +111,7 @@ def kvpage_attention_forward(
     sliding_window: Optional[int] = None,
     softcap: Optional[float] = None,
     s_aux: Optional[torch.Tensor] = None,
-    kvpage_context: Optional[PagedForwardContext] = None,
+    kvpage_context: Union[PagedForwardContext, ProbeContext, None] = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """Attention over paged KV. ``query`` is ``[1, H, T, D]``, ``key``/``value`` ``[1, H_kv, T, D]``;
@@ -89,18 +122,12 @@ def kvpage_attention_forward(
                                    sliding_window=sliding_window, softcap=softcap, s_aux=s_aux, **kwargs)
     if query.shape[0] != 1:
         raise ValueError(f"kvpage feeds one flattened ragged batch; got batch dimension {query.shape[0]}")
-    context = kvpage_context
-    layer = _layer_index(module, context)
-    context.layers_called += 1
-    key_cache, value_cache = context.key_caches[layer], context.value_caches[layer]
     q = query[0].transpose(0, 1)  # [T, H, D]
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
-    context.backend.write_kv(key_cache, value_cache, k, v, context.prepared)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    out = context.backend.attention(q, key_cache, value_cache, context.prepared, float(scaling),
-                                    sliding_window, softcap, s_aux)
+    out = kvpage_context.attend(_layer_index(module), q, k, v, float(scaling), sliding_window, softcap, s_aux)
     return out.unsqueeze(0), None
 
 

@@ -1,12 +1,17 @@
-"""Assembles an ``LLMEngine`` around a loaded HF model: runner, KV buffers, sampler."""
+"""Loads a Hugging Face model and assembles an ``LLMEngine`` around it: runner, KV buffers, sampler.
+
+Every setting comes from one ``EngineConfig``; the KV storage's block size and the
+scheduler's are both taken from ``config.block_size``.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
-from kvpage.config import CacheConfig, SchedulerConfig
+from kvpage.core.config import EngineConfig
+from kvpage.core.scheduler import Scheduler
 from kvpage.engine import LLMEngine
 from kvpage.kv_storage import KVCacheSpec, PagedKVCache, determine_num_blocks
 from kvpage.sampler import Sampler
@@ -14,23 +19,50 @@ from kvpage.sampler import Sampler
 from .attention_backends import select_backend
 from .hf_runner import HFModelRunner, UnsupportedModelError
 
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+           "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
-@dataclass(frozen=True, slots=True)
-class EngineOptions:
-    """User-facing engine knobs (vLLM names). Token counts in tokens, memory in bytes."""
 
-    block_size: int = 16
-    num_kv_blocks: Optional[int] = None
-    kv_cache_memory: Optional[int] = None
-    gpu_memory_utilization: float = 0.9
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = True
-    max_model_len: Optional[int] = None
-    seed: int = 0
-    attention_backend: str = "auto"
-    max_waiting: Optional[int] = None
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError as exc:
+        raise ValueError(f"device: {exc}") from exc
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: 'cuda' was asked for but no CUDA device is available")
+    return resolved
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        # fp16 on GPU: the Numba kernels take fp16/fp32 (numpy and CuPy have no bfloat16).
+        return torch.float32 if device.type == "cpu" else torch.float16
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def load_model(model: Any, tokenizer: Any, config: EngineConfig) -> tuple[Any, Any, Optional[str]]:
+    """Return (model, tokenizer, local path or None) for a path, an alias or a loaded model."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+    from kvpage.model_registry import resolve_model_path
+
+    if isinstance(model, PreTrainedModel):
+        if isinstance(tokenizer, (str, Path)):
+            tokenizer = AutoTokenizer.from_pretrained(str(tokenizer))
+        return model.eval(), tokenizer, None
+    if not isinstance(model, (str, Path)):
+        raise ValueError(f"model must be a path, an alias or a PreTrainedModel, got {type(model).__name__}")
+    path = resolve_model_path(str(model))
+    device = resolve_device(config.device)
+    loaded = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(config.dtype, device))
+    loaded = loaded.to(device).eval()
+    if tokenizer is None or isinstance(tokenizer, (str, Path)):
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer or path))
+    return loaded, tokenizer, path
 
 
 def model_max_len(model: torch.nn.Module) -> int:
@@ -57,14 +89,14 @@ def eos_token_ids(model: torch.nn.Module, tokenizer: Any) -> list[int]:
     return found
 
 
-def kv_cache_spec(runner: HFModelRunner, block_size: int) -> KVCacheSpec:
+def kv_cache_spec(runner: HFModelRunner, config: EngineConfig) -> KVCacheSpec:
     """One KV layout for all layers; models whose layers differ are refused."""
     shapes = set(runner.layer_shapes)
     if len(shapes) != 1:
         raise UnsupportedModelError(f"layers have different KV shapes {sorted(shapes)}; kvpage needs one per model")
     (shape,) = shapes
     dtype = str(runner.kv_dtype).removeprefix("torch.")
-    return KVCacheSpec(len(runner.layer_shapes), shape.num_kv_heads, shape.head_dim, block_size, dtype)
+    return KVCacheSpec(len(runner.layer_shapes), shape.num_kv_heads, shape.head_dim, config.block_size, dtype)
 
 
 def profile_gpu_memory(runner: HFModelRunner, num_tokens: int) -> dict:
@@ -80,38 +112,35 @@ def profile_gpu_memory(runner: HFModelRunner, num_tokens: int) -> dict:
             "used_device_bytes": used, "peak_activation_bytes": peak}
 
 
-def size_kv_cache(runner: HFModelRunner, spec: KVCacheSpec, options: EngineOptions, max_model_len: int,
-                  step_tokens: int) -> int:
+def size_kv_cache(runner: HFModelRunner, spec: KVCacheSpec, config: EngineConfig, max_model_len: int) -> int:
     """Blocks for the KV cache: explicit count, byte budget, GPU profile, or the CPU default."""
     measured = {}
     on_gpu = runner.device.type == "cuda"
-    if on_gpu and options.num_kv_blocks is None and options.kv_cache_memory is None:
-        measured = profile_gpu_memory(runner, step_tokens)
-    return determine_num_blocks(spec, num_kv_blocks=options.num_kv_blocks, kv_cache_memory=options.kv_cache_memory,
-                                gpu_memory_utilization=options.gpu_memory_utilization,
-                                device="cuda" if on_gpu else "cpu", max_num_seqs=options.max_num_seqs,
+    if on_gpu and config.num_kv_blocks is None and config.kv_cache_memory is None:
+        measured = profile_gpu_memory(runner, config.step_token_budget(max_model_len))
+    return determine_num_blocks(spec, num_kv_blocks=config.num_kv_blocks, kv_cache_memory=config.kv_cache_memory,
+                                gpu_memory_utilization=config.gpu_memory_utilization,
+                                device="cuda" if on_gpu else "cpu", max_num_seqs=config.max_num_seqs,
                                 max_model_len=max_model_len, **measured)
 
 
-def build_hf_engine(model: torch.nn.Module, tokenizer: Any, options: EngineOptions) -> LLMEngine:
+def vocab_size(model: torch.nn.Module) -> int:
+    embeddings = model.get_output_embeddings()
+    return int(embeddings.weight.shape[0]) if embeddings is not None else int(model.config.vocab_size)
+
+
+def build_hf_engine(model: torch.nn.Module, tokenizer: Any, config: EngineConfig) -> LLMEngine:
     """Switch ``model`` to kvpage attention and return an engine bound to it."""
     runner = HFModelRunner(model)
     limit = model_max_len(model)
-    max_model_len = options.max_model_len or limit
+    max_model_len = config.max_model_len or limit
     if max_model_len > limit:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's {limit} positions")
-    budget = options.max_num_batched_tokens
-    if not options.enable_chunked_prefill:
-        budget = max(budget, max_model_len)  # a prompt must fit one step whole
-    spec = kv_cache_spec(runner, options.block_size)
-    cache_config = CacheConfig(options.block_size, size_kv_cache(runner, spec, options, max_model_len, budget),
-                               options.enable_prefix_caching)
-    scheduler_config = SchedulerConfig(options.max_num_seqs, budget, max_model_len,
-                                       options.enable_chunked_prefill, max_waiting=options.max_waiting)
+    spec = kv_cache_spec(runner, config)
+    cache_config = config.cache_config(size_kv_cache(runner, spec, config, max_model_len))
+    scheduler = Scheduler(cache_config, config.scheduler_config(max_model_len))
     storage = "cupy" if runner.device.type == "cuda" else "torch"
-    kv_cache = PagedKVCache(spec, cache_config.num_blocks, backend=storage)
-    runner.bind(kv_cache, select_backend(options.attention_backend, runner.device))
-    vocab = int(model.get_output_embeddings().weight.shape[0]) if model.get_output_embeddings() is not None \
-        else int(model.config.vocab_size)
-    return LLMEngine(runner, Sampler(options.seed), tokenizer, cache_config, scheduler_config, vocab,
+    runner.bind(PagedKVCache(spec, cache_config.num_blocks, backend=storage),
+                select_backend(config.attention_backend, runner.device))
+    return LLMEngine(runner, Sampler(config.seed), tokenizer, scheduler, vocab_size(model),
                      eos_token_ids(model, tokenizer))

@@ -1,24 +1,22 @@
 """Runs one scheduled step through a Hugging Face model with paged KV.
 
-Contract: ``execute(metadata)`` takes a ``StepMetadata`` and returns float32 logits
-``[S, vocab]`` for ``metadata.logits_indices`` (in that order). The model sees one
+Implements ``kvpage.interfaces.ModelRunner``: ``execute(metadata)`` takes a
+``StepMetadata`` and returns float32 logits ``[S, vocab]`` for ``metadata.logits_indices``
+(in that order). The model sees one
 flattened ragged batch ``[1, T]``; attention reads and writes the paged buffers.
 """
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
-from .hf_attention import ATTN_IMPLEMENTATION, PagedForwardContext, paged_step, register_kvpage_attention
+from kvpage.core.metadata import StepMetadata
+from kvpage.kv_storage import PagedKVCache
 
-
-@dataclass(frozen=True, slots=True)
-class LayerKVShape:
-    num_kv_heads: int
-    head_dim: int
+from .hf_attention import (ATTN_IMPLEMENTATION, AttentionBackend, LayerKVShape, PagedForwardContext, ProbeContext,
+                           paged_step, register_kvpage_attention)
 
 
 class UnsupportedModelError(ValueError):
@@ -39,24 +37,6 @@ def check_supported(model: torch.nn.Module) -> None:
         )
 
 
-class _ProbeBackend:
-    """Records each layer's K shape during a one-token forward; computes nothing useful."""
-
-    def __init__(self) -> None:
-        self.shapes: dict[int, LayerKVShape] = {}
-        self.dtype: Optional[torch.dtype] = None
-
-    def prepare(self, metadata: Any) -> None:
-        return None
-
-    def write_kv(self, key_cache, value_cache, k, v, prepared) -> None:
-        self.shapes[key_cache] = LayerKVShape(int(k.shape[1]), int(k.shape[2]))  # key_cache is the layer index
-        self.dtype = k.dtype
-
-    def attention(self, q, key_cache, value_cache, prepared, scaling, sliding_window, softcap, sinks):
-        return torch.zeros_like(q)
-
-
 class HFModelRunner:
     """Owns the model's switch to kvpage attention and one forward per step."""
 
@@ -69,35 +49,33 @@ class HFModelRunner:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         self.num_layers = int(model.config.num_hidden_layers)
         self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
-        self.kv_cache: Any = None
+        self.kv_cache: Optional[PagedKVCache] = None
         self.key_caches: list = []
         self.value_caches: list = []
-        self.backend: Any = None
+        self.backend: Optional[AttentionBackend] = None
         self.layer_shapes, self.kv_dtype = self._probe_layers()
 
     def _probe_layers(self) -> tuple[list[LayerKVShape], torch.dtype]:
-        probe, context = self.probe_forward(1)
-        if len(probe.shapes) != self.num_layers or context.layers_called != self.num_layers:
+        probe = self.probe_forward(1)
+        if len(probe.shapes) != self.num_layers or probe.layers_called != self.num_layers:
             self.restore()
             raise UnsupportedModelError(
-                f"{type(self.model).__name__}: only {context.layers_called} of {self.num_layers} layers called the "
+                f"{type(self.model).__name__}: only {probe.layers_called} of {self.num_layers} layers called the "
                 "kvpage attention; the others bypass transformers' attention interface (or have no attention)"
             )
         return [probe.shapes[i] for i in range(self.num_layers)], probe.dtype
 
-    def probe_forward(self, num_tokens: int) -> tuple["_ProbeBackend", PagedForwardContext]:
+    def probe_forward(self, num_tokens: int) -> ProbeContext:
         """A forward of ``num_tokens`` dummy tokens with attention stubbed out (shapes, memory)."""
-        probe = _ProbeBackend()
-        layers = list(range(self.num_layers))
-        context = PagedForwardContext(layers, layers, probe, None)
+        probe = ProbeContext()
         ids = torch.zeros((1, num_tokens), dtype=torch.long, device=self.device)
         positions = torch.arange(num_tokens, device=self.device).unsqueeze(0)
         with torch.inference_mode(), paged_step():
-            self.model(input_ids=ids, position_ids=positions, use_cache=False, kvpage_context=context,
+            self.model(input_ids=ids, position_ids=positions, use_cache=False, kvpage_context=probe,
                        **({"logits_to_keep": 1} if self._takes_logits_to_keep else {}))
-        return probe, context
+        return probe
 
-    def bind(self, kv_cache: Any, backend: Any) -> None:
+    def bind(self, kv_cache: PagedKVCache, backend: AttentionBackend) -> None:
         """Attach the paged KV buffers (a ``PagedKVCache``) and the attention backend."""
         if kv_cache.spec.num_layers != self.num_layers:
             raise ValueError(f"expected a KV cache of {self.num_layers} layers, got {kv_cache.spec.num_layers}")
@@ -107,7 +85,7 @@ class HFModelRunner:
         self.backend = backend
 
     @torch.inference_mode()
-    def execute(self, metadata: Any) -> torch.Tensor:
+    def execute(self, metadata: StepMetadata) -> torch.Tensor:
         if len(metadata.block_copies):
             self.kv_cache.copy_blocks(metadata.block_copies)  # copy-on-write, before any KV write
         device = self.device

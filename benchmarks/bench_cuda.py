@@ -93,7 +93,7 @@ def numba_decode_fn(inputs: dict, batch: int, context: int, num_splits=None):
     scaling = 1.0 / np.sqrt(inputs["q"].shape[-1])
     # Device metadata + explicit stats: no host round trip per call.
     return lambda: paged_attention(**inputs, scaling=scaling, num_splits=num_splits, num_decodes=batch,
-                                   max_query_len=1, max_seq_len=context)
+                                   max_prefill_query_len=0, max_seq_len=context)
 
 
 def sdpa_decode_fn(inputs: dict, batch: int, context: int):
@@ -198,7 +198,7 @@ if pytest is not None:
         base = make_decode(1, context, 32, 8, 128, 16)
         base["q"] = cupy.asarray(_host_random(np.random.default_rng(1), (num_tokens, 32, 128), np.float16))
         base["query_start_loc"] = cupy.asarray(np.array([0, num_tokens], np.int32))
-        fn = lambda: paged_attention(**base, scaling=0.088, num_decodes=0, max_query_len=num_tokens,  # noqa: E731
+        fn = lambda: paged_attention(**base, scaling=0.088, num_decodes=0, max_prefill_query_len=num_tokens,  # noqa: E731
                                      max_seq_len=context)
         seconds = time_gpu(fn, repeats=5)
         flops = 4 * 32 * 128 * num_tokens * (context - num_tokens / 2)

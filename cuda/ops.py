@@ -131,7 +131,7 @@ def paged_attention(
     num_splits: Optional[int] = None,
     stream: Optional[Any] = None,
     num_decodes: Optional[int] = None,
-    max_query_len: Optional[int] = None,
+    max_prefill_query_len: Optional[int] = None,
     max_seq_len: Optional[int] = None,
     threads_per_block: Optional[int] = None,
     kv_tile: Optional[int] = None,
@@ -140,8 +140,9 @@ def paged_attention(
 
     The first ``num_decodes`` sequences (query length 1) go to the split-K decode path;
     the rest to the prefill path (causal w.r.t. absolute positions). Host metadata lets
-    the wrapper derive ``num_decodes``/``max_query_len``/``max_seq_len`` for free; with
-    device metadata pass them, or they are read back (one synchronising copy).
+    the wrapper derive ``num_decodes``/``max_prefill_query_len``/``max_seq_len`` for free;
+    with device metadata pass them (``StepMetadata`` has each), or they are read back (one
+    synchronising copy). ``max_prefill_query_len`` is the longest query after the decodes.
 
     Args beyond the reference contract:
         num_splits: decode split-K factor (None: chosen from the SM count; 1: no merge).
@@ -155,8 +156,8 @@ def paged_attention(
     if window < 0:
         raise ValueError(f"sliding_window must be positive, got {sliding_window}")
     num_seqs = int(seq_lens.shape[0])
-    if num_decodes is None or max_query_len is None or max_seq_len is None:
-        num_decodes, max_decode_ctx, max_query_len, max_seq_len = _sizes_from_host(
+    if num_decodes is None or max_prefill_query_len is None or max_seq_len is None:
+        num_decodes, max_decode_ctx, max_prefill_query_len, max_seq_len = _sizes_from_host(
             query_start_loc, seq_lens, num_tokens, num_decodes)
     else:
         max_decode_ctx = max_seq_len
@@ -179,10 +180,10 @@ def paged_attention(
         splits, partition = choose_splits(num_decodes * num_kv_heads, max_decode_ctx, tile, _num_sms(), num_splits)
         launch.decode(attention_kernel(group, head_dim, group, tile, launch.threads), merge_kernel,
                       num_decodes, num_kv_heads, num_heads, head_dim, splits, partition)
-    if num_seqs > num_decodes and max_query_len:
+    if num_seqs > num_decodes and max_prefill_query_len:
         rows = prefill_rows(group, 4 if interop.simulator_enabled() else 16)
         tile = kv_tile or choose_tile(rows, head_dim)
-        row_tiles = -(-(max_query_len * group) // rows)
+        row_tiles = -(-(max_prefill_query_len * group) // rows)
         launch.prefill(attention_kernel(rows, head_dim, group, tile, launch.threads),
                        (num_seqs - num_decodes) * row_tiles, num_kv_heads, num_decodes, row_tiles,
                        max(1, max_seq_len))
@@ -225,12 +226,13 @@ def _sizes_from_host(query_start_loc, seq_lens, num_tokens: int,
     if (lens < q_lens).any():
         raise ValueError("seq_lens must be >= each sequence's query length")
     if num_decodes is None:
-        not_decode = np.flatnonzero(q_lens != 1)
-        num_decodes = int(not_decode[0]) if not_decode.size else num_seqs
+        from kvpage.core.metadata import leading_decodes
+
+        num_decodes = leading_decodes(q_lens)
     max_decode_ctx = int(lens[:num_decodes].max()) if num_decodes else 0
-    max_query_len = int(q_lens[num_decodes:].max()) if num_seqs > num_decodes else 0
+    max_prefill_query_len = int(q_lens[num_decodes:].max()) if num_seqs > num_decodes else 0
     max_seq_len = int(lens.max()) if num_seqs else 0
-    return num_decodes, max_decode_ctx, max_query_len, max_seq_len
+    return num_decodes, max_decode_ctx, max_prefill_query_len, max_seq_len
 
 
 class _Launch:

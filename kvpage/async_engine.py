@@ -3,7 +3,8 @@
 One thread owns the ``LLMEngine`` and runs the step loop; every other coroutine talks
 to it through a command queue, so concurrent callers join the same continuous batch and
 the engine is never touched from two threads. Results flow back to each caller's event
-loop through ``call_soon_threadsafe`` into a per-request ``asyncio.Queue``.
+loop through ``call_soon_threadsafe`` into a per-request ``asyncio.Queue``: the queue's
+sink is handed to the engine with the request, so no request map lives here.
 
 Contract of ``generate``: it yields ``StreamDelta`` objects as tokens are produced and,
 last, the request's final ``RequestOutput``. Cancelling the consumer (a client that
@@ -17,20 +18,14 @@ import itertools
 import logging
 import queue
 import threading
-from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Optional, Union
 
-from .engine import LLMEngine, Prompt
+from .core.sampling_params import SamplingParams
+from .engine import LLMEngine
 from .outputs import RequestOutput, StreamDelta
-from .sampling_params import SamplingParams
+from .prompts import Prompt
 
 log = logging.getLogger("kvpage.async_engine")
-
-
-@dataclass
-class _Subscriber:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
 
 
 class AsyncLLM:
@@ -39,12 +34,12 @@ class AsyncLLM:
     def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.05) -> None:
         self.engine = engine
         self._commands: "queue.Queue[Callable[[], None]]" = queue.Queue()
-        self._subscribers: dict[str, _Subscriber] = {}
         self._ids = itertools.count()
         self._idle_wait_s = idle_wait_s
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._stats: dict = engine.stats()
+        self._finished_this_step: dict[str, RequestOutput] = {}
         self.observers: list[Callable[[list[StreamDelta], dict[str, RequestOutput]], None]] = []
 
     # ------------------------------------------------------------------ lifecycle
@@ -75,9 +70,9 @@ class AsyncLLM:
             self._stats = self.engine.stats()  # aborts and admissions change it even when idle
             if self._stop.is_set() or not self.engine.has_unfinished_requests():
                 continue
+            self._finished_this_step: dict[str, RequestOutput] = {}
             try:
-                deltas = self.engine.step()
-                finished = self.engine.take_finished()
+                deltas = self.engine.step()  # results reach their streams through the sinks
             except Exception as exc:  # noqa: BLE001 - keep serving: fail what was in flight, go on
                 log.exception("engine step crashed")
                 self._abort_all(f"engine error: {type(exc).__name__}: {exc}")
@@ -85,10 +80,9 @@ class AsyncLLM:
             self._stats = self.engine.stats()
             for observer in self.observers:
                 try:
-                    observer(deltas, finished)
+                    observer(deltas, self._finished_this_step)
                 except Exception:  # noqa: BLE001 - a metrics bug must not stop the engine thread
                     log.exception("step observer failed")
-            self._dispatch(deltas, finished)
 
     def _drain_commands(self, block: bool) -> None:
         try:
@@ -102,28 +96,23 @@ class AsyncLLM:
             except queue.Empty:
                 return
 
-    def _dispatch(self, deltas: list[StreamDelta], finished: dict[str, RequestOutput]) -> None:
-        for delta in deltas:
-            self._send(delta.request_id, delta)
-        for request_id, output in finished.items():
-            self._send(request_id, output)
-            self._subscribers.pop(request_id, None)
+    def _sink(self, loop: asyncio.AbstractEventLoop, results: asyncio.Queue, request_id: str) -> Callable:
+        """The engine-side end of one request's stream (called on the engine thread)."""
 
-    def _send(self, request_id: str, item: Any) -> None:
-        sub = self._subscribers.get(request_id)
-        if sub is None:
-            return
-        try:
-            sub.loop.call_soon_threadsafe(sub.queue.put_nowait, item)
-        except RuntimeError:  # the caller's event loop is closed: nobody can read this request
-            self._subscribers.pop(request_id, None)
-            self.engine.abort(request_id)
+        def deliver(item: Any) -> None:
+            if isinstance(item, RequestOutput):
+                self._finished_this_step[request_id] = item
+            try:
+                loop.call_soon_threadsafe(results.put_nowait, item)
+            except RuntimeError:  # the caller's event loop is closed: nobody can read this request
+                self._commands.put(lambda: self.engine.abort_with_output(request_id, deliver=False))
+
+        return deliver
 
     def _abort_all(self, message: str) -> None:
-        for request_id in list(self._subscribers):
-            self.engine.abort(request_id)
-            self._send(request_id, RuntimeError(message))
-        self._subscribers.clear()
+        for sink in self.engine.abort_all():
+            if sink is not None:
+                sink(RuntimeError(message))
 
     def _call(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
         """Run ``fn(*args)`` on the engine thread; the future carries its result or exception."""
@@ -150,15 +139,10 @@ class AsyncLLM:
         if not self.is_running:
             raise RuntimeError("the engine is not running")
         request_id = request_id or f"req-{next(self._ids)}"
-        sub = _Subscriber(asyncio.get_running_loop(), asyncio.Queue())
-
-        def submit() -> str:
-            rid = self.engine.add_request(prompt, params, request_id)
-            self._subscribers[rid] = sub
-            return rid
-
-        await asyncio.wrap_future(self._call(submit))
-        return RequestStream(self, request_id, sub.queue)
+        results: asyncio.Queue = asyncio.Queue()
+        sink = self._sink(asyncio.get_running_loop(), results, request_id)
+        await asyncio.wrap_future(self._call(lambda: self.engine.add_request(prompt, params, request_id, sink=sink)))
+        return RequestStream(self, request_id, results)
 
     async def generate(self, prompt: Prompt, params: Optional[SamplingParams] = None,
                        request_id: Optional[str] = None) -> AsyncIterator[Union[StreamDelta, RequestOutput]]:
@@ -168,13 +152,9 @@ class AsyncLLM:
             yield item
 
     def _abort_on_thread(self, request_id: str) -> bool:
-        # The stream ends with the aborted output, so a consumer other than the aborter
-        # is never left waiting forever.
-        output = self.engine.abort_with_output(request_id)
-        if output is not None:
-            self._send(request_id, output)
-        self._subscribers.pop(request_id, None)
-        return output is not None
+        # The sink receives the aborted output, so a consumer other than the aborter is
+        # never left waiting forever.
+        return self.engine.abort(request_id)
 
     def abort_nowait(self, request_id: str) -> None:
         """Abort from any thread; takes effect before the engine's next step."""

@@ -1,89 +1,46 @@
-"""``LLM``: the vLLM-style offline API over a Hugging Face model with paged KV.
+"""``LLM``: the vLLM-style offline API over a model with paged KV.
 
-Imported lazily (``kvpage.LLM``) so that ``import kvpage`` stays torch-free.
+Model loading and engine assembly live in ``kvpage.adapters.hf_engine`` (Hugging Face);
+this module is the front end only. Imported lazily (``kvpage.LLM``) so that
+``import kvpage`` stays torch-free.
 """
 from __future__ import annotations
 
-from pathlib import Path
+import dataclasses
 from typing import Any, Iterator, Optional, Sequence, Union
 
+from .core.config import EngineConfig
+from .core.sampling_params import SamplingParams
 from .engine import LLMEngine
 from .outputs import RequestOutput, StreamDelta
-from .sampling_params import SamplingParams
 
 PromptsArg = Union[str, Sequence[str], Sequence[Sequence[int]]]
 
 
-def _resolve_device(device: str):
-    import torch
-
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        resolved = torch.device(device)
-    except RuntimeError as exc:
-        raise ValueError(f"device: {exc}") from exc
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device: 'cuda' was asked for but no CUDA device is available")
-    return resolved
-
-
-def _resolve_dtype(dtype: str, device):
-    import torch
-
-    table = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
-             "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-    if dtype == "auto":
-        # fp16 on GPU: the Numba kernels take fp16/fp32 (numpy and CuPy have no bfloat16).
-        return torch.float32 if device.type == "cpu" else torch.float16
-    if dtype not in table:
-        raise ValueError(f"dtype must be 'auto' or one of {sorted(table)}, got {dtype!r}")
-    return table[dtype]
-
-
-def load_model(model: Any, tokenizer: Any, dtype: str, device: str):
-    """Return (model, tokenizer, local path or None) for a path, an alias or a loaded model."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
-
-    from .model_registry import resolve_model_path
-
-    if isinstance(model, PreTrainedModel):
-        if isinstance(tokenizer, (str, Path)):
-            tokenizer = AutoTokenizer.from_pretrained(str(tokenizer))
-        return model.eval(), tokenizer, None
-    if not isinstance(model, (str, Path)):
-        raise ValueError(f"model must be a path, an alias or a PreTrainedModel, got {type(model).__name__}")
-    path = resolve_model_path(str(model))
-    torch_device = _resolve_device(device)
-    loaded = AutoModelForCausalLM.from_pretrained(path, dtype=_resolve_dtype(dtype, torch_device))
-    loaded = loaded.to(torch_device).eval()
-    if tokenizer is None or isinstance(tokenizer, (str, Path)):
-        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer or path))
-    return loaded, tokenizer, path
+def engine_config(config: Optional[EngineConfig] = None, **options: Any) -> EngineConfig:
+    """``config`` (or the defaults) with ``options`` (``EngineConfig`` field names) applied."""
+    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    unknown = sorted(set(options) - names)
+    if unknown:
+        raise ValueError(f"unknown engine option(s) {unknown}; expected EngineConfig fields {sorted(names)}")
+    return dataclasses.replace(config or EngineConfig(), **options)
 
 
 class LLM:
     """Paged, continuously batched generation for any supported HF decoder model.
 
     ``model`` is a local HF folder, an alias (``"smollm2-135m"``) or a loaded
-    ``PreTrainedModel``. Sizes are in tokens, except ``kv_cache_memory`` (bytes).
-    ``gpu_memory_utilization`` applies on GPU only.
+    ``PreTrainedModel``. Settings come as one ``EngineConfig`` and/or as its fields by
+    keyword (``LLM(path, max_num_seqs=64)``); see ``EngineConfig`` for units and defaults.
     """
 
-    def __init__(self, model: Any, tokenizer: Any = None, block_size: int = 16,
-                 num_kv_blocks: Optional[int] = None, kv_cache_memory: Optional[int] = None,
-                 gpu_memory_utilization: float = 0.9, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int = 2048, enable_chunked_prefill: bool = True,
-                 enable_prefix_caching: bool = True, max_model_len: Optional[int] = None,
-                 dtype: str = "auto", device: str = "auto", seed: int = 0,
-                 attention_backend: str = "auto", max_waiting: Optional[int] = None) -> None:
-        from kvpage.adapters.hf_engine import EngineOptions, build_hf_engine
+    def __init__(self, model: Any, tokenizer: Any = None, config: Optional[EngineConfig] = None,
+                 **options: Any) -> None:
+        from kvpage.adapters.hf_engine import build_hf_engine, load_model
 
-        options = EngineOptions(block_size, num_kv_blocks, kv_cache_memory, gpu_memory_utilization, max_num_seqs,
-                                max_num_batched_tokens, enable_chunked_prefill, enable_prefix_caching,
-                                max_model_len, seed, attention_backend, max_waiting)
-        self.model, self.tokenizer, self.model_path = load_model(model, tokenizer, dtype, device)
-        self.engine: LLMEngine = build_hf_engine(self.model, self.tokenizer, options)
+        self.config = engine_config(config, **options)
+        self.model, self.tokenizer, self.model_path = load_model(model, tokenizer, self.config)
+        self.engine: LLMEngine = build_hf_engine(self.model, self.tokenizer, self.config)
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts: PromptsArg, sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
@@ -181,3 +138,14 @@ def _as_list(value: Any, name: str) -> list:
         return list(value)
     except TypeError:
         raise ValueError(f"{name} must be a list, got {type(value).__name__}") from None
+
+
+def patch(model: Any, tokenizer: Any = None, **config: Any) -> LLM:
+    """Bind a paged, continuously batching ``LLM`` to a loaded HF model.
+
+    ``config`` takes ``EngineConfig`` fields (block_size, num_kv_blocks, max_num_seqs, ...).
+    Raises ``UnsupportedModelError`` (a ``ValueError``) naming the reason when the model's
+    attention cannot be paged. Plain ``model.generate`` keeps working while patched;
+    ``llm.restore()`` gives the model back its own attention.
+    """
+    return LLM(model, tokenizer=tokenizer, **config)

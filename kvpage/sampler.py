@@ -1,66 +1,71 @@
-"""Turns logits into tokens, honouring each request's SamplingParams.
+"""The torch sampler: turns logits into tokens, honouring each request's SamplingParams.
 
-Greedy rows take one batched argmax. Sampled rows get temperature, top-k, top-p and
-min-p applied as batched tensor ops; each seeded request then draws from its own
-``torch.Generator`` so its samples do not depend on what else is in the batch.
+Implements ``kvpage.interfaces.Sampler``. Greedy rows take one batched argmax. Sampled
+rows get temperature, top-k, top-p and min-p applied as batched tensor ops; a seeded
+request draws from a generator seeded by (its seed, its output position), so its samples
+depend on nothing else in the batch and the sampler keeps no per-request state.
 Log-probabilities are of the model's raw distribution (before penalties and filters).
+A request with ``n > 1`` at its first token also gets its other samples' first tokens
+(``SampleResult.forks``), drawn from the same row with each sample's own seed.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import numpy as np
 import torch
 
-from .request import Request
-
+from .core.request import Request
+from .interfaces import SampleResult
 
 _LOGIT_LIMIT = 1e30  # finite in float32 with room for the softmax's max-subtraction
-
-
-@dataclass(slots=True)
-class SampleResult:
-    token_ids: np.ndarray  # int64 [S]
-    logprobs: list  # per row: None or {token_id: logprob} (top-k plus the sampled token)
-    token_logprobs: np.ndarray  # float64 [S], the sampled token's log-probability; NaN unless logprobs was asked
+_SEED_STRIDE = 0x9E3779B1  # spreads (seed, position) pairs over the generator's seed space
 
 
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self._global = torch.Generator().manual_seed(seed)
-        self._per_request: dict[str, torch.Generator] = {}
 
-    def release(self, request_id: str) -> None:
-        self._per_request.pop(request_id, None)
-
-    def _generator(self, request: Request) -> torch.Generator:
-        gen = self._per_request.get(request.request_id)
-        if gen is None:
-            gen = torch.Generator().manual_seed(int(request.sampling_params.seed) & 0xFFFF_FFFF_FFFF)
-            self._per_request[request.request_id] = gen
-        return gen
+    @staticmethod
+    def _generator(seed: int, position: int) -> torch.Generator:
+        return torch.Generator().manual_seed((int(seed) * _SEED_STRIDE + position) & 0xFFFF_FFFF_FFFF)
 
     def sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> SampleResult:
         """``logits`` is float32 ``[S, V]``; row i belongs to ``requests[i]``."""
         logits = logits.float().cpu()
+        invalid = _invalid_rows(logits)
+        if invalid:
+            logits = torch.nan_to_num(logits)  # drawn, then ignored: the engine fails these rows
+        result = self._draw(logits, requests, [r.num_output_tokens for r in requests])
+        result.invalid_rows = invalid
+        for row, request in enumerate(requests):
+            n = request.sampling_params.n
+            if n > 1 and request.num_output_tokens == 0 and row not in invalid:
+                children = [request.sampling_params.for_sample(k) for k in range(1, n)]
+                result.forks[row] = self._draw(logits[row : row + 1].expand(n - 1, -1), [request] * (n - 1), [0] * (n - 1),
+                                               children)
+        return result
+
+    def _draw(self, logits: torch.Tensor, requests: Sequence[Request], positions: Sequence[int],
+              params_list: Optional[list] = None) -> SampleResult:
+        params_list = params_list or [r.sampling_params for r in requests]
         num_rows = logits.shape[0]
         tokens = torch.argmax(logits, dim=-1)
-        sampled_rows = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
-        adjusted = self._apply_penalties(logits, requests)
+        sampled_rows = [i for i, p in enumerate(params_list) if not p.greedy]
+        adjusted = self._apply_penalties(logits, requests, params_list)
         if sampled_rows:
             rows = torch.tensor(sampled_rows)
-            probs = self._filtered_probs(adjusted[rows], [requests[i].sampling_params for i in sampled_rows])
+            probs = self._filtered_probs(adjusted[rows], [params_list[i] for i in sampled_rows])
             for j, i in enumerate(sampled_rows):
-                params = requests[i].sampling_params
-                gen = self._generator(requests[i]) if params.seed is not None else self._global
+                seed = params_list[i].seed
+                gen = self._global if seed is None else self._generator(seed, positions[i])
                 tokens[i] = torch.multinomial(probs[j], 1, generator=gen)[0]
         if adjusted is not logits:
-            greedy = [i for i, r in enumerate(requests) if r.sampling_params.greedy]
+            greedy = [i for i, p in enumerate(params_list) if p.greedy]
             if greedy:
                 tokens[greedy] = torch.argmax(adjusted[greedy], dim=-1)
         # Log-probabilities cost a pass over the whole vocabulary: only for rows that ask.
-        wanted = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
+        wanted = [i for i, p in enumerate(params_list) if p.logprobs is not None]
         token_logprobs = np.full(num_rows, np.nan)
         top: list = [None] * num_rows
         if wanted:
@@ -68,18 +73,18 @@ class Sampler:
             log_probs = torch.log_softmax(logits[index], dim=-1)
             picked = tokens[index]
             token_logprobs[wanted] = log_probs.gather(1, picked.view(-1, 1)).view(-1).double().numpy()
-            for row, entry in zip(wanted, self._top_logprobs(log_probs, picked, [requests[i] for i in wanted])):
+            for row, entry in zip(wanted, self._top_logprobs(log_probs, picked, [params_list[i] for i in wanted])):
                 top[row] = entry
         return SampleResult(tokens.numpy().astype(np.int64), top, token_logprobs)
 
     @staticmethod
-    def _apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
-        penalised = [i for i, r in enumerate(requests) if r.sampling_params.repetition_penalty != 1.0]
+    def _apply_penalties(logits: torch.Tensor, requests: Sequence[Request], params_list: list) -> torch.Tensor:
+        penalised = [i for i, p in enumerate(params_list) if p.repetition_penalty != 1.0]
         if not penalised:
             return logits
         logits = logits.clone()
         for i in penalised:
-            penalty = requests[i].sampling_params.repetition_penalty
+            penalty = params_list[i].repetition_penalty
             seen = torch.tensor(sorted(set(requests[i].all_token_ids)), dtype=torch.long)
             seen = seen[seen < logits.shape[1]]
             values = logits[i, seen]
@@ -110,10 +115,10 @@ class Sampler:
         return probs / probs.sum(dim=-1, keepdim=True)
 
     @staticmethod
-    def _top_logprobs(log_probs: torch.Tensor, tokens: torch.Tensor, requests: Sequence[Request]) -> list:
-        out: list[Optional[dict]] = [None] * len(requests)
-        for i, request in enumerate(requests):
-            k = request.sampling_params.logprobs
+    def _top_logprobs(log_probs: torch.Tensor, tokens: torch.Tensor, params_list: list) -> list:
+        out: list[Optional[dict]] = [None] * len(params_list)
+        for i, params in enumerate(params_list):
+            k = params.logprobs
             if k is None:
                 continue
             entry = {int(tokens[i]): float(log_probs[i, tokens[i]])}
@@ -122,3 +127,10 @@ class Sampler:
                 entry.update({int(t): float(v) for t, v in zip(ids.tolist(), values.tolist())})
             out[i] = entry
         return out
+
+
+def _invalid_rows(logits: torch.Tensor) -> list[int]:
+    """Rows with a NaN or +inf anywhere, or nothing above -inf (models may mask part of the
+    vocabulary with -inf, which is fine)."""
+    bad = (torch.isnan(logits) | torch.isposinf(logits)).any(dim=-1) | ~(logits > float("-inf")).any(dim=-1)
+    return torch.nonzero(bad).flatten().tolist()

@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 from typing import Optional
+
+from .core.config import EngineConfig
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 
@@ -44,6 +47,12 @@ def add_serve_parser(sub) -> None:
     p.set_defaults(func=run_serve)
 
 
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The ``EngineConfig`` named by the parsed flags (each flag is a field of the same name)."""
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
+                           if hasattr(args, f.name)})
+
+
 def run_serve(args: argparse.Namespace) -> Optional[int]:
     import uvicorn
 
@@ -51,12 +60,7 @@ def run_serve(args: argparse.Namespace) -> Optional[int]:
     from .llm import LLM
     from .server.app import build_app
 
-    llm = LLM(args.model, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-              kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
-              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              enable_chunked_prefill=args.enable_chunked_prefill, enable_prefix_caching=args.enable_prefix_caching,
-              max_model_len=args.max_model_len, dtype=args.dtype, device=args.device, seed=args.seed,
-              attention_backend=args.attention_backend, max_waiting=args.max_waiting)
+    llm = LLM(args.model, config=config_from_args(args))
     names = args.served_model_name or [str(args.model)]
     async_llm = AsyncLLM(llm.engine).start()
     app = build_app(async_llm, llm.tokenizer, names, llm.engine.scheduler.config.max_model_len,

@@ -134,7 +134,7 @@ def check_step_end_to_end() -> str:
     np.testing.assert_array_equal(kc, kr)
     meta = (md.query_start_loc, md.seq_lens, md.block_tables)
     out = paged_attention(q, kc, vc, *meta, 0.3, num_splits=2, kv_tile=2, threads_per_block=THREADS,
-                          num_decodes=md.num_decodes, max_query_len=md.max_query_len, max_seq_len=md.max_seq_len)
+                          num_decodes=md.num_decodes, max_prefill_query_len=md.max_prefill_query_len, max_seq_len=md.max_seq_len)
     ref = paged_attention_reference(q, kr, vr, *meta, 0.3)
     np.testing.assert_allclose(out, ref, **TOL[np.float32])
     return f"num_decodes={md.num_decodes}"

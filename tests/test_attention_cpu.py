@@ -11,9 +11,10 @@ from hypothesis import strategies as st  # noqa: E402
 
 from kvpage.attention import paged_attention_reference, write_kv_reference  # noqa: E402
 from kvpage.attention.cpu import (  # noqa: E402
-    leading_decodes, paged_attention_cpu, prepare_cpu_attention_metadata, write_kv_cpu)
+    paged_attention_cpu, prepare_cpu_attention_metadata, write_kv_cpu)
 from kvpage.attention.numba_cpu import build_work_tiles, paged_attention_numba  # noqa: E402
 from kvpage.attention.torch_cpu import paged_attention_torch  # noqa: E402
+from kvpage.core.metadata import leading_decodes  # noqa: E402
 
 BS = 16
 SCALE = 0.17
@@ -157,7 +158,7 @@ def test_direct_torch_backend_and_decode_split():
     got = paged_attention_torch(*t, *case[3:], SCALE, sliding_window=7)
     want = paged_attention_reference(*case, SCALE, sliding_window=7)
     check(got.numpy(), want, "float32")
-    assert leading_decodes(case[3]) == 2  # the q=1 sequence after the prefill is not a decode
+    assert leading_decodes(np.diff(case[3])) == 2  # the q=1 sequence after the prefill is not a decode
 
 
 def test_numba_never_reads_past_context():

@@ -117,14 +117,14 @@ def test_fork_shares_blocks_and_copy_on_write_on_append():
     run(kv, child, 1)
     private = child.block_ids[1]
     assert private != shared_partial and child.block_ids[0] == shared_full
-    assert kv.take_pending_copies() == [(shared_partial, private)]
-    assert kv.take_pending_copies() == []
+    assert kv.take_pending_copies([child, parent]) == [(shared_partial, private)]
+    assert kv.take_pending_copies([child, parent]) == []
     assert pool.ref_count(shared_partial) == 1 and pool.ref_count(shared_full) == 2
     assert pool.fill(private) == 3
     # The parent is now the only holder of the partial block: it writes in place.
     run(kv, parent, 1)
     assert parent.block_ids == [shared_full, shared_partial]
-    assert kv.take_pending_copies() == []
+    assert kv.take_pending_copies([child, parent]) == []
     kv.free(child)
     kv.free(parent)
     assert pool.num_free_blocks == pool.num_blocks
@@ -139,7 +139,7 @@ def test_fork_at_block_boundary_needs_no_copy():
     kv.fork(parent, child)
     child.all_token_ids.append(1)
     run(kv, child, 1)
-    assert kv.take_pending_copies() == []
+    assert kv.take_pending_copies([child, parent]) == []
     assert child.block_ids[:2] == parent.block_ids and len(child.block_ids) == 3
     with pytest.raises(ValueError):
         kv.fork(parent, child)  # the target already holds blocks
@@ -153,7 +153,7 @@ def test_copy_on_write_needs_a_free_block():
     kv.fork(parent, child)
     child.all_token_ids.append(1)
     assert not kv.allocate_slots(child, 1)
-    assert kv.take_pending_copies() == [] and pool.ref_count(parent.block_ids[1]) == 2
+    assert kv.take_pending_copies([child, parent]) == [] and pool.ref_count(parent.block_ids[1]) == 2
 
 
 def test_cache_scheduled_blocks_inserts_chunk_by_chunk():

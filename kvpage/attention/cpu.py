@@ -39,15 +39,14 @@ PREFILL_BACKEND = "torch"
 DECODE_BACKEND = "numba"
 
 
-def leading_decodes(query_start_loc) -> int:
-    """Number of leading sequences whose query length is 1 (the decode fast path's batch).
+def decodes_of(query_start_loc, num_decodes: Optional[int]) -> int:
+    """``num_decodes`` as given (a ``StepMetadata`` carries it), else the leading run of
+    query-length-1 sequences by the metadata's own rule."""
+    if num_decodes is not None:
+        return int(num_decodes)
+    from kvpage.core.metadata import leading_decodes
 
-    Computed from ``query_start_loc`` rather than trusted from a count of all length-1
-    queries: a length-1 prefill chunk after the decodes must not join the decode batch.
-    """
-    q_lens = np.diff(np.asarray(query_start_loc, dtype=np.int64))
-    not_one = np.flatnonzero(q_lens != 1)
-    return int(not_one[0]) if not_one.size else int(q_lens.shape[0])
+    return leading_decodes(np.diff(np.asarray(query_start_loc, dtype=np.int64)))
 
 
 def _to_numpy(a, dtype) -> np.ndarray:
@@ -94,8 +93,12 @@ class CPUAttentionMetadata:
         return self._torch[name]
 
 
-def prepare_cpu_attention_metadata(query_start_loc, seq_lens, block_tables, slot_mapping=None) -> CPUAttentionMetadata:
-    """Build the per-step metadata from numpy or torch index arrays (see module docstring)."""
+def prepare_cpu_attention_metadata(query_start_loc, seq_lens, block_tables, slot_mapping=None,
+                                   num_decodes: Optional[int] = None) -> CPUAttentionMetadata:
+    """Build the per-step metadata from numpy or torch index arrays (see module docstring).
+
+    ``num_decodes`` comes from ``StepMetadata.num_decodes``; standalone callers may omit it.
+    """
     qsl = _to_numpy(query_start_loc, np.int32)
     lens = _to_numpy(seq_lens, np.int32)
     tables = _to_numpy(block_tables, np.int32)
@@ -105,7 +108,7 @@ def prepare_cpu_attention_metadata(query_start_loc, seq_lens, block_tables, slot
     if np.any(np.diff(qsl) > lens):
         raise ValueError("a sequence has more queries than context tokens (query_start_loc vs seq_lens)")
     slots = None if slot_mapping is None else _to_numpy(slot_mapping, np.int64)
-    return CPUAttentionMetadata(qsl, lens, tables, leading_decodes(qsl), slots)
+    return CPUAttentionMetadata(qsl, lens, tables, decodes_of(qsl, num_decodes), slots)
 
 
 def _numba_available() -> bool:

@@ -33,7 +33,7 @@ import numpy as np
 from numba import get_num_threads, njit, prange, types
 from numba.extending import overload
 
-from .cpu import leading_decodes
+from .cpu import decodes_of
 
 #: Query rows per prefill work item. Decode sequences are always a tile of one row.
 PREFILL_TILE = 16
@@ -379,8 +379,7 @@ def paged_attention_numba(
         raise ValueError(f"q {q.shape} does not fit caches {key_cache.shape}: num_heads must be a "
                          "multiple of num_kv_heads and head_dim must match")
     qsl, lens, tables = _as_i32(query_start_loc), _as_i32(seq_lens), _as_i32(block_tables)
-    if num_decodes is None:
-        num_decodes = leading_decodes(qsl)
+    num_decodes = decodes_of(qsl, num_decodes)
     if work is None:
         work = build_work_tiles(qsl, num_decodes)
     if out is None:

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .cpu import leading_decodes
+from .cpu import decodes_of
 
 
 def as_long(index) -> torch.Tensor:
@@ -168,8 +168,7 @@ def paged_attention_torch(
         raise ValueError(f"num_heads ({q.shape[1]}) must be a multiple of num_kv_heads ({key_cache.shape[2]})")
     qsl, lens, tables = as_long(query_start_loc), as_long(seq_lens), as_long(block_tables)
     sinks_t = None if sinks is None else torch.as_tensor(sinks, dtype=torch.float32)
-    if num_decodes is None:
-        num_decodes = leading_decodes(qsl.numpy())
+    num_decodes = decodes_of(qsl.numpy(), num_decodes)
     out = torch.empty_like(q)
     if num_decodes:
         out[:num_decodes] = decode_torch(q[:num_decodes], key_cache, value_cache, lens[:num_decodes],

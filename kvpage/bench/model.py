@@ -61,9 +61,10 @@ def load(name: str, seed: int, device: str) -> LoadedModel:
     if name in RANDOM_SIZES:
         model = random_llama(name, seed, device)
     else:
-        from kvpage.llm import load_model
+        from kvpage.adapters.hf_engine import load_model
+        from kvpage.core.config import EngineConfig
 
-        model, _, _ = load_model(name, None, "auto", device)
+        model, _, _ = load_model(name, None, EngineConfig(device=device))
         if model.config._attn_implementation not in ("sdpa", "eager"):
             model.set_attn_implementation("sdpa")
     vocab = int(model.get_input_embeddings().weight.shape[0])

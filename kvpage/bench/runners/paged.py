@@ -12,23 +12,35 @@ Requests join the engine at their arrival times.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
+
 from ..metrics import RunResult
 from .common import Clock, RunContext
+
+if TYPE_CHECKING:
+    from kvpage.core.config import EngineConfig
 
 LABELS = {"C": "kvpage paged, no chunked prefill", "D": "kvpage paged + chunked prefill",
           "E": "kvpage paged + chunked + prefix cache"}
 _MAX_IDLE_STEPS = 10_000
 
 
+def engine_config(ctx: RunContext, config: str) -> "EngineConfig":
+    """The engine settings of configuration ``config`` (C, D or E)."""
+    from kvpage.core.config import EngineConfig
+
+    chunked = config in ("D", "E")
+    budget = ctx.token_budget if chunked else max(ctx.unchunked_token_budget, ctx.max_len)
+    return EngineConfig(num_kv_blocks=ctx.num_kv_blocks, block_size=ctx.block_size, max_num_seqs=ctx.max_num_seqs,
+                        max_num_batched_tokens=budget, enable_chunked_prefill=chunked,
+                        enable_prefix_caching=config == "E", max_model_len=ctx.max_len, seed=ctx.seed)
+
+
 def build_llm(ctx: RunContext, config: str):
     """An ``LLM`` over ``ctx.model`` for configuration ``config`` (C, D or E)."""
     from kvpage.llm import LLM
 
-    chunked = config in ("D", "E")
-    budget = ctx.token_budget if chunked else max(ctx.unchunked_token_budget, ctx.max_len)
-    return LLM(ctx.model, num_kv_blocks=ctx.num_kv_blocks, block_size=ctx.block_size,
-               max_num_seqs=ctx.max_num_seqs, max_num_batched_tokens=budget, enable_chunked_prefill=chunked,
-               enable_prefix_caching=config == "E", max_model_len=ctx.max_len, seed=ctx.seed)
+    return LLM(ctx.model, config=engine_config(ctx, config))
 
 
 def _warm_up(llm, vocab: int) -> None:
@@ -39,18 +51,15 @@ def _warm_up(llm, vocab: int) -> None:
     llm.generate([[3 + (i % (vocab - 3)) for i in range(n)] for n in (5, 21)], params, use_tqdm=False)
 
 
-def _instrument(scheduler, result: RunResult) -> None:
-    """Record each non-empty step's batch size and the pool's fragmentation as it is scheduled."""
-    schedule = scheduler.schedule
+def _instrument(engine, result: RunResult) -> None:
+    """Record each step's batch size and the pool's fragmentation as it is scheduled."""
+    pool = engine.scheduler.pool
 
-    def recording_schedule():
-        output = schedule()
-        if not output.is_empty:
-            result.concurrency_samples.append(len(output.requests))
-            result.kv_waste_samples.append(scheduler.pool.fragmentation)
-        return output
+    def record(output) -> None:
+        result.concurrency_samples.append(len(output.requests))
+        result.kv_waste_samples.append(pool.fragmentation)
 
-    scheduler.schedule = recording_schedule
+    engine.step_observers.append(record)
 
 
 def _drive(ctx: RunContext, llm, result: RunResult, desc: str) -> None:
@@ -92,10 +101,10 @@ def run(ctx: RunContext, config: str, replay: bool = False) -> RunResult:
     try:
         _warm_up(llm, ctx.loaded.vocab_size)
         engine = llm.engine
-        engine.step_stats = type(engine.step_stats)()
+        engine.step_stats.reset()
         before = engine.stats()
         result = RunResult(config, LABELS[config])
-        _instrument(engine.scheduler, result)
+        _instrument(engine, result)
         steps = _Steps()
         if replay:
             _record_metadata(engine.runner, steps)

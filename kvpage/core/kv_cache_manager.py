@@ -11,7 +11,7 @@ applies.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 from .block_pool import BlockPool
 from .radix_cache import PrefixMatch, RadixCache
@@ -29,7 +29,6 @@ class KVCacheManager:
         self.pool = pool
         self.prefix_cache = prefix_cache
         self.block_size = pool.block_size
-        self._pending_copies: list[tuple[int, int]] = []
 
     # ------------------------------------------------------------------ admission
     def match_prefix(self, request: Request) -> PrefixMatch:
@@ -110,7 +109,7 @@ class KVCacheManager:
         self.pool.set_fill(private, self.pool.fill(shared))
         self.pool.free([shared])
         request.block_ids[index] = private
-        self._pending_copies.append((shared, private))
+        request.pending_block_copies.append((shared, private))
 
     def _update_fill(self, request: Request, start: int, end: int) -> None:
         bs = self.block_size
@@ -118,9 +117,15 @@ class KVCacheManager:
         for index in range(start // bs, cdiv(end, bs)):
             self.pool.raise_fill(blocks[index], min(end - index * bs, bs))
 
-    def take_pending_copies(self) -> list[tuple[int, int]]:
-        """(src, dst) block copies the runner must perform before this step's KV writes."""
-        copies, self._pending_copies = self._pending_copies, []
+    @staticmethod
+    def take_pending_copies(requests: Sequence[Request]) -> list[tuple[int, int]]:
+        """(src, dst) block copies the runner must perform before the KV writes of a step
+        that runs ``requests``; each copy is handed out once."""
+        copies: list[tuple[int, int]] = []
+        for request in requests:
+            if request.pending_block_copies:
+                copies += request.pending_block_copies
+                request.pending_block_copies = []
         return copies
 
     # ------------------------------------------------------------------ prefix caching
@@ -152,6 +157,7 @@ class KVCacheManager:
         if request.block_ids:
             self.pool.free(request.block_ids[::-1])
         request.block_ids = []
+        request.pending_block_copies = []  # the copied-into block was freed with the rest
         request.num_computed_tokens = 0
         request.num_inserted_blocks = 0
 

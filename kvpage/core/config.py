@@ -87,3 +87,69 @@ class SchedulerConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) is below one block "
                 f"({cache.block_size} tokens) with chunked prefill off"
             )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineConfig:
+    """Every engine setting, given once (vLLM's names) and passed along unchanged by ``LLM``,
+    the CLI, the server and the benchmarks. Tokens are in tokens, memory in bytes.
+
+    ``CacheConfig`` and ``SchedulerConfig`` are derived from it (``cache_config`` and
+    ``scheduler_config``) once the model fixes what it must: the pool's block count and the
+    model's context limit. The KV storage takes its block size from the same field, so the
+    scheduler and the buffers can never disagree on it.
+
+    Attributes:
+        block_size: tokens per KV block; a power of two.
+        num_kv_blocks: pool size in blocks; wins over every other sizing rule.
+        kv_cache_memory: KV budget in bytes (when ``num_kv_blocks`` is not given).
+        gpu_memory_utilization: share of device memory kvpage may use (GPU only).
+        max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, policy, max_waiting:
+            as in ``SchedulerConfig``.
+        enable_prefix_caching: as in ``CacheConfig``.
+        max_model_len: longest sequence; ``None`` takes the model's own limit.
+        seed: seed of the sampler's shared random stream.
+        dtype: "auto", or a torch dtype name for weights and KV.
+        device: "auto", "cpu" or "cuda[:i]".
+        attention_backend: a registered backend name, or "auto".
+    """
+
+    block_size: int = 16
+    num_kv_blocks: Optional[int] = None
+    kv_cache_memory: Optional[int] = None
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    max_model_len: Optional[int] = None
+    policy: str = "fcfs"
+    max_waiting: Optional[int] = None
+    seed: int = 0
+    dtype: str = "auto"
+    device: str = "auto"
+    attention_backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        CacheConfig(self.block_size, 1, self.enable_prefix_caching)  # validates block_size
+        for name in ("num_kv_blocks", "kv_cache_memory", "max_model_len"):
+            if getattr(self, name) is not None:
+                _require_positive_int(name, getattr(self, name))
+        gmu = self.gpu_memory_utilization
+        if isinstance(gmu, bool) or not isinstance(gmu, (int, float)) or not 0.0 < gmu <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gmu!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+
+    def step_token_budget(self, max_model_len: int) -> int:
+        """Tokens per step: without chunked prefill a whole prompt must fit one step."""
+        if self.enable_chunked_prefill:
+            return self.max_num_batched_tokens
+        return max(self.max_num_batched_tokens, max_model_len)
+
+    def cache_config(self, num_blocks: int) -> CacheConfig:
+        return CacheConfig(self.block_size, num_blocks, self.enable_prefix_caching)
+
+    def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
+        return SchedulerConfig(self.max_num_seqs, self.step_token_budget(max_model_len), max_model_len,
+                               self.enable_chunked_prefill, self.policy, self.max_waiting)

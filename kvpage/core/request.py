@@ -9,7 +9,6 @@ Token index regions of one request (``all_token_ids`` = prompt + output)::
 from __future__ import annotations
 
 import enum
-import itertools
 import time
 from typing import Hashable, Optional, Sequence
 
@@ -31,7 +30,9 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"
 
 
-_arrival_counter = itertools.count()
+def sample_request_id(group_id: str, index: int, num_samples: int) -> str:
+    """The scheduler id of sample ``index`` of user request ``group_id`` (``n`` samples)."""
+    return group_id if num_samples == 1 else f"{group_id}#{index}"
 
 
 class Request:
@@ -39,6 +40,8 @@ class Request:
 
     ``namespace`` keeps prefix-cache entries apart (a cache salt or an adapter id):
     requests only share cached blocks with requests of the same namespace.
+    ``group_id`` and ``sample_index`` name the user request this sequence is a sample of
+    (``n > 1`` forks one sequence per sample); ``arrival_order`` is set by the scheduler.
     """
 
     __slots__ = (
@@ -46,7 +49,7 @@ class Request:
         "arrival_order", "all_token_ids", "num_prompt_tokens", "status", "block_ids",
         "num_computed_tokens", "num_cached_tokens", "num_inserted_blocks", "num_preemptions",
         "finish_reason", "error", "first_token_time", "finish_time", "last_token_time",
-        "prefix_queried",
+        "prefix_queried", "group_id", "sample_index", "pending_block_copies",
     )
 
     def __init__(
@@ -57,6 +60,8 @@ class Request:
         eos_token_id: Optional[int] = None,
         namespace: Hashable = None,
         arrival_time: Optional[float] = None,
+        group_id: Optional[str] = None,
+        sample_index: int = 0,
     ) -> None:
         if len(prompt_token_ids) == 0:
             raise ValueError(f"request {request_id!r}: the prompt is empty")
@@ -65,7 +70,9 @@ class Request:
         self.eos_token_id = eos_token_id
         self.namespace = namespace
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        self.arrival_order = next(_arrival_counter)
+        self.arrival_order = 0
+        self.group_id = request_id if group_id is None else group_id
+        self.sample_index = sample_index
         self.all_token_ids: list[int] = [int(t) for t in prompt_token_ids]
         self.num_prompt_tokens = len(self.all_token_ids)
         self.status = RequestStatus.WAITING
@@ -80,6 +87,9 @@ class Request:
         self.last_token_time: Optional[float] = None
         self.finish_time: Optional[float] = None
         self.prefix_queried = False  # the prefix-cache query was counted once
+        # (src, dst) copy-on-write copies made for this request since it was last scheduled;
+        # the scheduler moves them into the step's metadata.
+        self.pending_block_copies: list[tuple[int, int]] = []
 
     # Derived sizes, so callers never repeat the index arithmetic.
     @property

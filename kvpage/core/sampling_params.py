@@ -1,6 +1,7 @@
 """Per-request sampling and stopping parameters (vLLM-compatible names)."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
@@ -63,6 +64,11 @@ class SamplingParams:
         """Temperatures below ``GREEDY_BELOW_TEMPERATURE`` are greedy: dividing logits by a
         (sub)normal-tiny temperature would overflow them to inf."""
         return self.temperature < GREEDY_BELOW_TEMPERATURE
+
+    def for_sample(self, index: int) -> "SamplingParams":
+        """Parameters of sample ``index`` of ``n``: one sample, its own seed derived from this one."""
+        seed = None if self.seed is None else self.seed + index
+        return dataclasses.replace(self, n=1, seed=seed)
 
     def _validate(self) -> None:
         def is_int(value: object) -> bool:

@@ -72,13 +72,26 @@ class StepMetadata:
     def query_lens(self) -> np.ndarray:
         return np.diff(self.query_start_loc)
 
+    # The one definition of each size that attention backends read (tokens).
     @property
     def max_query_len(self) -> int:
+        """Longest query of any sequence in the step."""
         return int(self.query_lens.max()) if self.num_seqs else 0
 
     @property
+    def max_prefill_query_len(self) -> int:
+        """Longest query among the sequences after the leading decodes (0 if none)."""
+        return int(self.query_lens[self.num_decodes:].max()) if self.num_seqs > self.num_decodes else 0
+
+    @property
     def max_seq_len(self) -> int:
+        """Longest context (after this step) of any sequence."""
         return int(self.seq_lens.max()) if self.num_seqs else 0
+
+    @property
+    def max_decode_seq_len(self) -> int:
+        """Longest context among the leading decodes (0 if none)."""
+        return int(self.seq_lens[: self.num_decodes].max()) if self.num_decodes else 0
 
     @property
     def num_decode_tokens(self) -> int:
@@ -141,12 +154,16 @@ def build_step_metadata(
         sample_seq_indices=samples,
         block_copies=copies,
         block_size=block_size,
-        num_decodes=_leading_decodes(query_lens),
+        num_decodes=leading_decodes(query_lens),
         request_ids=[r.request_id for r in requests],
     )
 
 
-def _leading_decodes(query_lens: np.ndarray) -> int:
-    """Length of the leading run of query-length-1 sequences (decodes come first)."""
+def leading_decodes(query_lens: np.ndarray) -> int:
+    """Length of the leading run of query-length-1 sequences (decodes come first).
+
+    A length-1 prefill chunk after the first longer query is not a decode: backends run
+    only this leading run on their decode path. The one place this is computed.
+    """
     longer = np.flatnonzero(query_lens != 1)
     return int(longer[0]) if longer.size else int(query_lens.shape[0])

@@ -27,7 +27,7 @@ from .config import CacheConfig, SchedulerConfig
 from .kv_cache_manager import KVCacheManager, cdiv
 from .metadata import StepMetadata, build_step_metadata
 from .radix_cache import RadixCache
-from .request import FinishReason, Request, RequestStatus
+from .request import FinishReason, Request, RequestStatus, sample_request_id
 from .sampling_params import SamplingParams
 from .waiting_queue import WaitingQueue
 
@@ -42,7 +42,11 @@ class QueueFullError(RuntimeError):
 
 @dataclass(slots=True)
 class SchedulerOutput:
-    """One step: the requests to run (in metadata order) and their flat metadata."""
+    """One step: the requests to run (in metadata order) and their flat metadata.
+
+    ``forked[j]`` lists the samples that ``update_from_output`` forked off sampled row ``j``
+    (parallel sampling, ``n > 1``); it is filled in by that call.
+    """
 
     requests: list[Request]
     num_new_tokens: list[int]
@@ -51,10 +55,25 @@ class SchedulerOutput:
     # Blocks entered into the prefix cache for this step, tail first; their KV is only
     # valid once the step succeeds (see ``Scheduler.discard_step_cache``).
     newly_cached_blocks: list[int] = field(default_factory=list)
+    forked: dict[int, list[Request]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
         return not self.requests
+
+    @property
+    def sampled_requests(self) -> list[Request]:
+        """The request of each sampled row (``metadata.sample_seq_indices`` order)."""
+        return [self.requests[i] for i in self.metadata.sample_seq_indices.tolist()]
+
+
+@dataclass(slots=True)
+class _StepPlan:
+    """What one ``schedule()`` call has decided so far; lives only for that call."""
+
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    newly_cached: list[int] = field(default_factory=list)
 
 
 def _seats(request: Request) -> int:
@@ -79,7 +98,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_thrash_pins = 0  # requests pinned against further preemption
         self.num_steps = 0
-        self._step_cached: list[int] = []  # blocks cached while building the current step
+        self._arrivals = itertools.count()  # arrival order of this scheduler's requests
 
     # ------------------------------------------------------------------ intake
     def add_request(self, request: Request) -> None:
@@ -93,6 +112,7 @@ class Scheduler:
         if limit is not None and len(self.waiting) >= limit:
             raise QueueFullError(f"the waiting queue is full ({limit} requests); retry later")
         request.status = RequestStatus.WAITING
+        request.arrival_order = next(self._arrivals)
         self.requests[request.request_id] = request
         self.waiting.push(request)
 
@@ -142,9 +162,7 @@ class Scheduler:
         """Pick this step's work and build its metadata. Call ``update_from_output`` next."""
         budget = self.config.max_num_batched_tokens
         chunked = self.config.enable_chunked_prefill
-        scheduled: list[tuple[Request, int]] = []
-        preempted: list[Request] = []
-        self._step_cached: list[int] = []
+        plan = _StepPlan()
 
         decodes: list[Request] = []
         prefills: list[Request] = []
@@ -161,28 +179,28 @@ class Scheduler:
             if num_new == 0 or num_new > budget:
                 continue
             while not self.kv.allocate_slots(request, num_new):
-                victim = self._pick_victim(scheduled)
+                victim = self._pick_victim(plan)
                 self._preempt(victim)
-                preempted.append(victim)
+                plan.preempted.append(victim)
                 if victim is request:
                     break
             else:
-                self._schedule_one(scheduled, request, num_new)
+                self._schedule_one(plan, request, num_new)
                 budget -= num_new
 
-        if not preempted:
-            budget = self._admit_waiting(scheduled, budget, chunked)
-        return self._emit(scheduled, preempted)
+        if not plan.preempted:
+            self._admit_waiting(plan, budget, chunked)
+        return self._emit(plan)
 
-    def _pick_victim(self, scheduled: list[tuple[Request, int]]) -> Request:
+    def _pick_victim(self, plan: _StepPlan) -> Request:
         """Newest running request not yet scheduled this step, sparing pinned ones if possible."""
-        taken = {id(r) for r, _ in scheduled}
+        taken = {id(r) for r, _ in plan.scheduled}
         candidates = [r for r in self.running if id(r) not in taken]
         unpinned = [r for r in candidates if r.num_preemptions < self.config.max_preemptions_before_pin]
         pool = unpinned or candidates
         return max(pool, key=lambda r: r.sort_key)
 
-    def _admit_waiting(self, scheduled: list[tuple[Request, int]], budget: int, chunked: bool) -> int:
+    def _admit_waiting(self, plan: _StepPlan, budget: int, chunked: bool) -> None:
         while budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
             if request is None:
@@ -204,23 +222,23 @@ class Scheduler:
                 self.prefix_cache.record_query(request.num_tokens, hit.num_tokens)
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=_sort_key)
-            self._schedule_one(scheduled, request, num_new)
+            self._schedule_one(plan, request, num_new)
             budget -= num_new
-        return budget
 
-    def _emit(self, scheduled: list[tuple[Request, int]], preempted: list[Request]) -> SchedulerOutput:
+    def _emit(self, plan: _StepPlan) -> SchedulerOutput:
         # Decodes (query length 1) first: attention backends split the batch there.
-        scheduled.sort(key=lambda item: item[1] != 1)
-        requests = [r for r, _ in scheduled]
-        counts = [n for _, n in scheduled]
-        metadata = build_step_metadata(requests, counts, self.block_size, self.kv.take_pending_copies())
+        plan.scheduled.sort(key=lambda item: item[1] != 1)
+        requests = [r for r, _ in plan.scheduled]
+        counts = [n for _, n in plan.scheduled]
+        copies = self.kv.take_pending_copies(requests)
+        metadata = build_step_metadata(requests, counts, self.block_size, copies)
         self.num_steps += 1
-        return SchedulerOutput(requests, counts, metadata, preempted, self._step_cached[::-1])
+        return SchedulerOutput(requests, counts, metadata, plan.preempted, plan.newly_cached[::-1])
 
-    def _schedule_one(self, scheduled: list[tuple[Request, int]], request: Request, num_new: int) -> None:
-        scheduled.append((request, num_new))
+    def _schedule_one(self, plan: _StepPlan, request: Request, num_new: int) -> None:
+        plan.scheduled.append((request, num_new))
         if (request.num_computed_tokens + num_new) // self.block_size > request.num_inserted_blocks:
-            self._step_cached.extend(self.kv.cache_scheduled_blocks(request, num_new))
+            plan.newly_cached.extend(self.kv.cache_scheduled_blocks(request, num_new))
 
     def discard_step_cache(self, output: SchedulerOutput) -> int:
         """After a failed step: forget the cache entries it created, now that their holders ended.
@@ -243,35 +261,46 @@ class Scheduler:
 
     # ------------------------------------------------------------------ after the step
     def update_from_output(self, output: SchedulerOutput, sampled_token_ids: Sequence[int],
-                           forks: Optional[Mapping[int, Sequence[tuple[Request, int]]]] = None) -> list[Request]:
-        """Advance the step's requests. ``sampled_token_ids[j]`` belongs to
-        ``output.metadata.sample_seq_indices[j]``. Returns the requests that finished.
+                           fork_token_ids: Optional[Mapping[int, Sequence[int]]] = None) -> list[Request]:
+        """Advance the step's requests; return those that finished (EOS, stop id, length).
 
-        ``forks[j]`` lists ``(child, token)`` pairs for sampled row ``j``: each fresh
-        ``child`` request starts as a copy of that row's sequence (sharing its blocks,
-        copy-on-write) with ``token`` as its first sampled token (parallel sampling, ``n > 1``).
+        ``sampled_token_ids[j]`` belongs to ``output.metadata.sample_seq_indices[j]``.
+        ``fork_token_ids[j]`` gives the first tokens of the other samples of row ``j``'s
+        request (``n > 1``, at its first token): each is forked off the row's sequence,
+        sharing its blocks copy-on-write, and listed in ``output.forked[j]``.
+        Requests that ended while the step ran (aborted, failed) are skipped.
         """
         sampled = np.asarray(sampled_token_ids, dtype=np.int64).reshape(-1)
         seq_of_sample = output.metadata.sample_seq_indices
         if sampled.shape[0] != seq_of_sample.shape[0]:
             raise ValueError(f"expected {seq_of_sample.shape[0]} sampled tokens, got {sampled.shape[0]}")
-        token_of_seq: dict[int, int] = dict(zip(seq_of_sample.tolist(), sampled.tolist()))
-        row_of_seq = {seq: row for row, seq in enumerate(seq_of_sample.tolist())} if forks else {}
+        row_of_seq = {seq: row for row, seq in enumerate(seq_of_sample.tolist())}
+        tokens = sampled.tolist()
         now = time.monotonic()
         finished: list[Request] = []
         for i, (request, num_new) in enumerate(zip(output.requests, output.num_new_tokens)):
             if request.status is not RequestStatus.RUNNING:
-                continue  # aborted or finished while the step ran
+                continue
             request.num_computed_tokens += num_new
-            token = token_of_seq.get(i)
-            if token is None:
+            row = row_of_seq.get(i)
+            if row is None:
                 continue  # a prefill chunk that produced no token
-            if forks:
-                for child, child_token in forks.get(row_of_seq[i], ()):
-                    self._attach_fork(request, child)
-                    self._append_token(child, child_token, now, finished)
-            self._append_token(request, token, now, finished)
+            if fork_token_ids and row in fork_token_ids:
+                output.forked[row] = self._fork_samples(request, fork_token_ids[row], now, finished)
+            self._append_token(request, tokens[row], now, finished)
         return finished
+
+    def _fork_samples(self, parent: Request, first_tokens: Sequence[int], now: float,
+                      finished: list[Request]) -> list[Request]:
+        """Fork samples 1..n-1 of ``parent``'s request, each with its first token appended."""
+        children = []
+        for index, token in enumerate(first_tokens, start=1):
+            child_id = sample_request_id(parent.group_id, index, parent.sampling_params.n)
+            child = self.fork_request(parent.request_id, child_id, parent.sampling_params.for_sample(index),
+                                      sample_index=index, check_seats=False)
+            self._append_token(child, int(token), now, finished)
+            children.append(child)
+        return children
 
     def _append_token(self, request: Request, token: int, now: float, finished: list[Request]) -> None:
         request.all_token_ids.append(token)
@@ -282,19 +311,6 @@ class Scheduler:
         if reason is not None:
             self._finish(request, reason)
             finished.append(request)
-
-    def _attach_fork(self, parent: Request, child: Request) -> None:
-        """Make ``child`` a running copy of ``parent`` that shares its blocks."""
-        if child.request_id in self.requests:
-            raise ValueError(f"request id {child.request_id!r} is already in use")
-        child.all_token_ids = list(parent.all_token_ids)
-        child.num_prompt_tokens = parent.num_prompt_tokens
-        child.arrival_time = parent.arrival_time
-        self.kv.fork(parent, child)
-        child.status = RequestStatus.RUNNING
-        child.prefix_queried = True  # its prompt was counted with the parent
-        self.requests[child.request_id] = child
-        bisect.insort(self.running, child, key=_sort_key)
 
     def _stop_reason(self, request: Request, token: int) -> Optional[FinishReason]:
         params = request.sampling_params
@@ -329,27 +345,43 @@ class Scheduler:
         self._finish(request, reason, error)
         return request
 
+    def finish_requests(self, request_ids: Sequence[str], reason: FinishReason,
+                        error: Optional[str] = None) -> list[Request]:
+        """``finish_request`` for each id; returns the requests that were live."""
+        ended = (self.finish_request(rid, reason, error) for rid in request_ids)
+        return [r for r in ended if r is not None]
+
     def abort(self, request_id: str) -> bool:
         """Abort a queued or running request; returns False if it is not live."""
         return self.finish_request(request_id, FinishReason.ABORT) is not None
 
-    def fork_request(self, parent_id: str, child_id: str, sampling_params: Optional[SamplingParams] = None) -> Request:
-        """Start ``child_id`` as a copy of a running request, sharing its blocks (copy-on-write).
+    def fork_request(self, parent_id: str, child_id: str, sampling_params: Optional[SamplingParams] = None,
+                     sample_index: int = 0, check_seats: bool = True) -> Request:
+        """Start ``child_id`` as a running copy of a running request, sharing its blocks.
 
         The child continues from the parent's tokens; its first append into a shared partial
-        block is given a private copy, reported through ``StepMetadata.block_copies``.
+        block gets a private copy, reported through ``StepMetadata.block_copies``. The one
+        fork path: parallel sampling forks here too (its seats were reserved at admission,
+        hence ``check_seats=False``).
         """
         parent = self.requests.get(parent_id)
         if parent is None or parent.status is not RequestStatus.RUNNING:
             raise ValueError(f"request {parent_id!r} is not running and cannot be forked")
         if child_id in self.requests:
             raise ValueError(f"request id {child_id!r} is already in use")
-        if len(self.running) >= self.config.max_num_seqs:
+        if check_seats and len(self.running) >= self.config.max_num_seqs:
             raise ValueError(f"cannot fork {parent_id!r}: max_num_seqs={self.config.max_num_seqs} are running")
         child = Request(child_id, parent.prompt_token_ids, sampling_params or parent.sampling_params,
-                        parent.eos_token_id, parent.namespace, parent.arrival_time)
+                        parent.eos_token_id, parent.namespace, parent.arrival_time, parent.group_id, sample_index)
+        child.all_token_ids = list(parent.all_token_ids)
+        child.num_prompt_tokens = parent.num_prompt_tokens
+        child.arrival_order = next(self._arrivals)  # unique: sort keys never tie
         child.first_token_time = parent.first_token_time
-        self._attach_fork(parent, child)
+        child.prefix_queried = True  # its prompt was counted with the parent
+        self.kv.fork(parent, child)
+        child.status = RequestStatus.RUNNING
+        self.requests[child_id] = child
+        bisect.insort(self.running, child, key=_sort_key)
         return child
 
     # ------------------------------------------------------------------ observability

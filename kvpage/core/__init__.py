@@ -1,0 +1,27 @@
+"""The numpy-only core of kvpage: what to run each step, and which KV blocks it uses.
+
+Owns: the block pool (``block_pool``), the radix prefix cache (``radix_cache``), per-request
+block tables (``kv_cache_manager``), the iteration-level scheduler (``scheduler``,
+``waiting_queue``), request state (``request``), the per-step metadata handed to a model
+runner (``metadata``), and validated configuration (``config``, ``sampling_params``).
+
+May import: numpy and the standard library only. Never torch, and nothing from
+``kvpage.adapters``, ``kvpage.server`` or ``kvpage.bench``: other servers embed this
+package as a library (``tests/test_packaging.py`` enforces it).
+"""
+from __future__ import annotations
+
+from .block_pool import BlockPool, NoFreeBlocksError
+from .config import CacheConfig, EngineConfig, SchedulerConfig
+from .kv_cache_manager import KVCacheManager
+from .metadata import StepMetadata, build_step_metadata
+from .radix_cache import PrefixMatch, RadixCache
+from .request import FinishReason, Request, RequestStatus
+from .sampling_params import SamplingParams
+from .scheduler import QueueFullError, Scheduler, SchedulerOutput
+
+__all__ = [
+    "BlockPool", "NoFreeBlocksError", "CacheConfig", "EngineConfig", "SchedulerConfig", "KVCacheManager",
+    "StepMetadata", "build_step_metadata", "PrefixMatch", "RadixCache", "FinishReason", "Request",
+    "RequestStatus", "SamplingParams", "QueueFullError", "Scheduler", "SchedulerOutput",
+]
