@@ -10,7 +10,7 @@ Other backends join with ``register_attention_backend(name, factory)``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch

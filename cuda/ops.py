@@ -117,24 +117,11 @@ def store_kv(key_cache: Any, value_cache: Any, k: Any, v: Any, slot_mapping: Any
 
 
 def paged_attention(
-    q: Any,
-    key_cache: Any,
-    value_cache: Any,
-    query_start_loc: Any,
-    seq_lens: Any,
-    block_tables: Any,
-    scaling: float,
-    sliding_window: Optional[int] = None,
-    softcap: Optional[float] = None,
-    sinks: Optional[Any] = None,
-    *,
-    num_splits: Optional[int] = None,
-    stream: Optional[Any] = None,
-    num_decodes: Optional[int] = None,
-    max_prefill_query_len: Optional[int] = None,
-    max_seq_len: Optional[int] = None,
-    threads_per_block: Optional[int] = None,
-    kv_tile: Optional[int] = None,
+    q: Any, key_cache: Any, value_cache: Any, query_start_loc: Any, seq_lens: Any, block_tables: Any,
+    scaling: float, sliding_window: Optional[int] = None, softcap: Optional[float] = None,
+    sinks: Optional[Any] = None, *, num_splits: Optional[int] = None, stream: Optional[Any] = None,
+    num_decodes: Optional[int] = None, max_prefill_query_len: Optional[int] = None,
+    max_seq_len: Optional[int] = None, threads_per_block: Optional[int] = None, kv_tile: Optional[int] = None,
 ) -> Any:
     """Paged attention over a ragged batch; returns ``[T, H, D]`` in ``q``'s dtype.
 

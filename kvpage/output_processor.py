@@ -14,7 +14,7 @@ whose samples have all ended. Torch-free.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 from .core.request import FinishReason, Request

@@ -74,3 +74,53 @@ def test_kvpage_cuda_resolves_to_the_repo_cuda_dir():
     cuda_file, adapters_file = (Path(p).resolve() for p in json.loads(run_python(code)))
     assert cuda_file == REPO / "cuda" / "__init__.py"
     assert adapters_file == REPO / "adapters" / "__init__.py"
+
+
+def test_core_imports_nothing_above_it():
+    """``kvpage.core`` is the bottom layer: no torch, no adapters, server, bench or front end."""
+    above = ["torch", "transformers", "kvpage.adapters", "kvpage.server", "kvpage.bench", "kvpage.engine",
+             "kvpage.llm", "kvpage.async_engine", "kvpage.sampler", "kvpage.attention", "kvpage.cuda"]
+    code = (
+        "import sys, json, importlib, pkgutil, kvpage.core\n"
+        "for m in pkgutil.iter_modules(kvpage.core.__path__):\n"
+        "    importlib.import_module('kvpage.core.' + m.name)\n"
+        f"print(json.dumps(sorted(m for m in {above!r} if m in sys.modules)))\n"
+    )
+    assert json.loads(run_python(code)) == []
+
+
+def test_core_sources_import_only_numpy_and_the_standard_library():
+    import ast
+
+    allowed = set(sys.stdlib_module_names) | {"numpy", "__future__"}
+    for path in (REPO / "kvpage" / "core").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            for name in names:
+                assert name.split(".")[0] in allowed, f"{path.name} imports {name}"
+
+
+def test_lower_layers_never_import_the_front_end():
+    """Adapters, engine and kernels import without loading ``kvpage.llm`` or the server."""
+    code = (
+        "import sys, json\n"
+        "import kvpage.engine, kvpage.output_processor, kvpage.interfaces, kvpage.adapters\n"
+        "import kvpage.adapters.hf_engine, kvpage.adapters.hf_runner, kvpage.attention.cpu\n"
+        "print(json.dumps(sorted(m for m in ['kvpage.llm', 'kvpage.server', 'kvpage.bench', 'kvpage.async_engine']"
+        " if m in sys.modules)))\n"
+    )
+    assert json.loads(run_python(code)) == []
+
+
+def test_engine_needs_no_tensor_library():
+    code = (
+        "import sys, json\n"
+        "import kvpage.engine, kvpage.output_processor, kvpage.async_engine\n"
+        f"print(json.dumps(sorted(m for m in {list(HEAVY)!r} if m in sys.modules)))\n"
+    )
+    assert json.loads(run_python(code)) == []

@@ -340,16 +340,9 @@ def cache_mode(cache: np.ndarray, logical_dtype: str) -> tuple[int, np.ndarray]:
 
 
 def paged_attention_numba(
-    q: np.ndarray,
-    key_cache: np.ndarray,
-    value_cache: np.ndarray,
-    query_start_loc: np.ndarray,
-    seq_lens: np.ndarray,
-    block_tables: np.ndarray,
-    scaling: float,
-    sliding_window: Optional[int] = None,
-    softcap: Optional[float] = None,
-    sinks: Optional[np.ndarray] = None,
+    q: np.ndarray, key_cache: np.ndarray, value_cache: np.ndarray,
+    query_start_loc: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray, scaling: float,
+    sliding_window: Optional[int] = None, softcap: Optional[float] = None, sinks: Optional[np.ndarray] = None,
     *,
     cache_dtype: Optional[str] = None,
     num_decodes: Optional[int] = None,

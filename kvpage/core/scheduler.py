@@ -18,7 +18,7 @@ import bisect
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Hashable, Mapping, Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -132,16 +132,9 @@ class Scheduler:
                 f"but the pool has only {self.pool.num_blocks} ({self.pool.num_blocks * self.block_size} tokens)"
             )
 
-    def make_request(
-        self,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
-        sampling_params: Optional[SamplingParams] = None,
-        eos_token_id: Optional[int] = None,
-        namespace: Hashable = None,
-    ) -> Request:
-        """Build and queue a request in one call; returns it."""
-        request = Request(request_id, prompt_token_ids, sampling_params, eos_token_id, namespace)
+    def make_request(self, request_id: str, prompt_token_ids: Sequence[int], *args, **kwargs) -> Request:
+        """Build a ``Request`` (same arguments) and queue it in one call; returns it."""
+        request = Request(request_id, prompt_token_ids, *args, **kwargs)
         self.add_request(request)
         return request
 
