@@ -112,6 +112,9 @@ class EngineConfig:
         dtype: "auto", or a torch dtype name for weights and KV.
         device: "auto", "cpu" or "cuda[:i]".
         attention_backend: a registered backend name, or "auto".
+        enforce_eager: run the model op by op (no graph compilation; vLLM's flag).
+        num_threads: compute threads for the whole engine (torch and numba share them);
+            ``None`` takes the CPUs this process may run on.
     """
 
     block_size: int = 16
@@ -129,10 +132,12 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "auto"
     attention_backend: str = "auto"
+    enforce_eager: bool = True
+    num_threads: Optional[int] = None
 
     def __post_init__(self) -> None:
         CacheConfig(self.block_size, 1, self.enable_prefix_caching)  # validates block_size
-        for name in ("num_kv_blocks", "kv_cache_memory", "max_model_len"):
+        for name in ("num_kv_blocks", "kv_cache_memory", "max_model_len", "num_threads"):
             if getattr(self, name) is not None:
                 _require_positive_int(name, getattr(self, name))
         gmu = self.gpu_memory_utilization
