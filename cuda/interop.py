@@ -10,6 +10,8 @@ torch and cupy are never imported here: an array's library is read from
 """
 from __future__ import annotations
 
+import glob
+import shutil
 import sys
 from typing import Any, Optional
 
@@ -25,8 +27,19 @@ def simulator_enabled() -> bool:
     return bool(config.ENABLE_CUDASIM)
 
 
+def gpu_present() -> bool:
+    """True when this machine shows an NVIDIA GPU: a ``/dev/nvidia*`` node or ``nvidia-smi``."""
+    return bool(glob.glob("/dev/nvidia*")) or shutil.which("nvidia-smi") is not None
+
+
 def gpu_unavailable_reason() -> Optional[str]:
-    """Why real-GPU work cannot run here (None when a CUDA device is usable through CuPy)."""
+    """Why real-GPU work cannot run here (None when a CUDA device is usable through CuPy).
+
+    "no GPU" when the machine shows none; a driver or runtime problem is reported only when
+    there is a GPU to have one.
+    """
+    if not gpu_present():
+        return "no GPU (no /dev/nvidia* device and no nvidia-smi)"
     if simulator_enabled():
         return "NUMBA_ENABLE_CUDASIM=1: real-GPU work needs the real driver"
     try:
@@ -35,7 +48,7 @@ def gpu_unavailable_reason() -> Optional[str]:
         if cupy.cuda.runtime.getDeviceCount() < 1:
             return "no CUDA device"
     except Exception as exc:  # noqa: BLE001 - ImportError, or a broken CUDA runtime
-        return f"no usable CUDA device: {exc}"
+        return f"a GPU is present but CUDA is unusable: {exc}"
     return None
 
 

@@ -85,6 +85,24 @@ def free_ram_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+#: The names of the sizing rules, in precedence order (see ``determine_num_blocks``).
+SIZING_RULES = ("explicit count", "byte budget", "GPU profile", "CPU default")
+
+
+def kv_sizing_rule(num_kv_blocks: Optional[int] = None, kv_cache_memory: Optional[int] = None,
+                   device: str = "cpu") -> str:
+    """Which of ``SIZING_RULES`` ``determine_num_blocks`` applies to these arguments.
+
+    The one statement of the precedence: an explicit block count, then a byte budget, then
+    the GPU profile on a CUDA device, else the CPU default.
+    """
+    if num_kv_blocks is not None:
+        return SIZING_RULES[0]
+    if kv_cache_memory is not None:
+        return SIZING_RULES[1]
+    return SIZING_RULES[2] if device.startswith(("cuda", "gpu")) else SIZING_RULES[3]
+
+
 def determine_num_blocks(
     spec: KVCacheSpec,
     *,
@@ -116,13 +134,14 @@ def determine_num_blocks(
     one request of ``max_model_len`` tokens.
     """
     need = spec.blocks_for_tokens(max_model_len)
-    if num_kv_blocks is not None:
+    rule = kv_sizing_rule(num_kv_blocks, kv_cache_memory, device)
+    if rule == "explicit count":
         if isinstance(num_kv_blocks, bool) or not isinstance(num_kv_blocks, int) or num_kv_blocks <= 0:
             raise ValueError(f"num_kv_blocks must be a positive integer, got {num_kv_blocks!r}")
         return _check(num_kv_blocks, need, spec, max_model_len, f"num_kv_blocks={num_kv_blocks}")
-    if kv_cache_memory is not None:
+    if rule == "byte budget":
         budget, source = int(kv_cache_memory), f"kv_cache_memory={kv_cache_memory} bytes"
-    elif device.startswith(("cuda", "gpu")):
+    elif rule == "GPU profile":
         budget, source = _gpu_budget(gpu_memory_utilization, total_device_bytes, used_device_bytes,
                                      peak_activation_bytes)
     else:

@@ -13,9 +13,10 @@ from tiny_models import VOCAB, hf_greedy, tiny_model
 
 
 def _gpu_reason():
-    if not torch.cuda.is_available():
-        return "torch sees no CUDA device"
-    return gpu_unavailable_reason()
+    reason = gpu_unavailable_reason()  # "no GPU" first: the torch build matters only with a GPU
+    if reason is None and not torch.cuda.is_available():
+        return f"a GPU is present but torch {torch.__version__} has no CUDA support"
+    return reason
 
 
 _REASON = _gpu_reason()

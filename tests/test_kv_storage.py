@@ -193,3 +193,12 @@ def test_imports_stay_torch_free():
             "bad = [m for m in ('torch', 'numba', 'cupy') if m in sys.modules]; print(bad); assert not bad")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_sizing_rule_names_the_precedence():
+    from kvpage.kv_storage import kv_sizing_rule
+
+    assert kv_sizing_rule(num_kv_blocks=8, kv_cache_memory=1 << 20, device="cuda") == "explicit count"
+    assert kv_sizing_rule(kv_cache_memory=1 << 20, device="cuda") == "byte budget"
+    assert kv_sizing_rule(device="cuda:1") == "GPU profile"
+    assert kv_sizing_rule(device="cpu") == "CPU default"
