@@ -70,13 +70,15 @@ class LLMEngine:
         """Abort a live request, freeing its blocks; returns False if it is not live."""
         return self.abort_with_output(request_id) is not None
 
-    def abort_with_output(self, request_id: str, deliver: bool = True) -> Optional[RequestOutput]:
+    def abort_with_output(self, request_id: str, deliver: bool = True,
+                          reason: FinishReason = FinishReason.ABORT) -> Optional[RequestOutput]:
         """``abort``, returning the request's output so far (its unfinished samples end with
-        ``finish_reason == "abort"``; a sink receives it too unless ``deliver`` is False)."""
+        ``reason``, "abort" unless told, e.g. "length" for a deadline; a sink receives it too
+        unless ``deliver`` is False)."""
         state = self.outputs.states.get(request_id)
         if state is None:
             return None
-        self.scheduler.finish_requests(sequence_ids(state), FinishReason.ABORT)
+        self.scheduler.finish_requests(sequence_ids(state), reason)
         return self.outputs.abort(request_id, deliver)
 
     def abort_all(self) -> list[Optional[OutputSink]]:
@@ -106,7 +108,7 @@ class LLMEngine:
             observe(output)
         try:
             logits = self.runner.execute(output.metadata)
-            problem = check_logits_shape(logits, len(output.metadata.sample_seq_indices))
+            problem = check_logits_shape(logits, len(output.metadata.logits_indices))
             if problem:
                 raise RuntimeError(problem)
         except Exception as exc:  # noqa: BLE001 - a failed step must not take the engine down
@@ -116,7 +118,9 @@ class LLMEngine:
             self.outputs.close_finished()
             return deltas
         rows = output.sampled_requests
-        result, errors = self._sample(logits, rows)
+        result, errors = self._sample(logits[: len(rows)], rows)  # sampled rows first, then prompt rows
+        if output.metadata.num_prompt_logits_rows:
+            self._prompt_logprobs(output, logits[len(rows):])
         deltas = []
         for row, message in errors.items():
             deltas += self._fail([rows[row]], message)
@@ -146,6 +150,13 @@ class LLMEngine:
             errors = {}
         errors.update({j: "the model produced non-finite logits" for j in result.invalid_rows})
         return result, errors
+
+    def _prompt_logprobs(self, output: SchedulerOutput, logits: Any) -> None:
+        """Log-probabilities of the prompt tokens this step computed, for requests that ask."""
+        requests, metadata = output.prompt_logits_requests, output.metadata
+        entries = self.sampler.prompt_logprobs(logits, metadata.prompt_logits_token_ids,
+                                               [r.sampling_params.prompt_logprobs for r in requests])
+        self.outputs.add_prompt_logprobs(requests, metadata.prompt_logits_positions.tolist(), entries)
 
     def _fail(self, requests: Sequence[Request], message: str) -> list[StreamDelta]:
         live = self.scheduler.finish_requests([r.request_id for r in requests], FinishReason.ERROR, message)

@@ -15,7 +15,7 @@ import numpy as np
 from .core.metadata import StepMetadata
 from .core.request import Request
 
-Logits = Any  # a 2-D array [S, vocab]: row j belongs to StepMetadata.logits_indices[j]
+Logits = Any  # a 2-D array [S + R, vocab]: row j belongs to StepMetadata.logits_indices[j]
 
 
 @runtime_checkable
@@ -70,6 +70,11 @@ class Sampler(Protocol):
 
     def sample(self, logits: Logits, requests: Sequence[Request]) -> SampleResult:
         """Row ``i`` of ``logits`` belongs to ``requests[i]``. Raises on a row it cannot draw."""
+        ...
+
+    def prompt_logprobs(self, logits: Logits, token_ids: np.ndarray, num_top: Sequence[int]) -> list:
+        """Row ``r`` predicts prompt token ``token_ids[r]``: one ``outputs.PromptTokenLogprob``
+        per row, with the ``num_top[r]`` most likely tokens. Called only for steps with prompt rows."""
         ...
 
 

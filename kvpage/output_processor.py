@@ -60,6 +60,7 @@ class RequestState:
     sink: Optional[OutputSink] = None
     error: Optional[str] = None
     finished_time: Optional[float] = None
+    prompt_logprobs: Optional[list] = None  # one PromptTokenLogprob (or None) per prompt position
 
     @property
     def finished(self) -> bool:
@@ -79,7 +80,8 @@ class RequestState:
         outputs += [CompletionOutput(k, "", [], FinishReason.ERROR.value, error=self.error)
                     for k in range(len(self.samples), self.params.n)]
         return RequestOutput(self.request_id, self.prompt, self.samples[0].request.prompt_token_ids, outputs,
-                             self.finished, self.metrics())
+                             self.finished, self.metrics(),
+                             None if self.prompt_logprobs is None else list(self.prompt_logprobs))
 
 
 class OutputProcessor:
@@ -96,7 +98,19 @@ class OutputProcessor:
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: Optional[str], params: SamplingParams, first: Request,
                     sink: Optional[OutputSink] = None) -> None:
-        self.states[request_id] = RequestState(request_id, prompt, params, [self._new_sample(first, params)], sink)
+        state = RequestState(request_id, prompt, params, [self._new_sample(first, params)], sink)
+        if params.prompt_logprobs is not None:
+            state.prompt_logprobs = [None] * first.num_prompt_tokens
+        self.states[request_id] = state
+
+    def add_prompt_logprobs(self, requests: Sequence[Request], positions: Sequence[int], entries: Sequence) -> None:
+        """Record ``entries[r]``, the log-probability of prompt position ``positions[r]`` of
+        ``requests[r]``. Positions are slots, so a prompt recomputed after preemption
+        overwrites rather than appends."""
+        for request, position, entry in zip(requests, positions, entries):
+            state = self.state_of(request)
+            if state is not None and state.prompt_logprobs is not None:
+                state.prompt_logprobs[position] = entry
 
     def _new_sample(self, request: Request, params: SamplingParams) -> SampleState:
         detokenizer = None

@@ -22,6 +22,24 @@ class RequestMetrics:
 
 
 @dataclass(slots=True)
+class PromptTokenLogprob:
+    """The log-probability of one prompt token given the tokens before it.
+
+    Attributes:
+        token_id: the prompt token.
+        logprob: its log-probability under the model's raw distribution.
+        rank: 1 + the number of tokens the model found strictly more likely.
+        top: the ``prompt_logprobs`` most likely tokens, token id -> log-probability,
+            most likely first (empty when ``prompt_logprobs == 0``).
+    """
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: dict[int, float] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
 class CompletionOutput:
     """One sample of a request. ``logprobs[i]`` maps token id -> log-probability for token i."""
 
@@ -46,6 +64,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    #: With ``SamplingParams.prompt_logprobs``: one entry per prompt token, the first None
+    #: (nothing precedes it); otherwise None.
+    prompt_logprobs: Optional[list[Optional[PromptTokenLogprob]]] = None
 
     @property
     def num_cached_tokens(self) -> int:

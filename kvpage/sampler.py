@@ -4,7 +4,8 @@ Implements ``kvpage.interfaces.Sampler``. Greedy rows take one batched argmax. S
 rows get temperature, top-k, top-p and min-p applied as batched tensor ops; a seeded
 request draws from a generator seeded by (its seed, its output position), so its samples
 depend on nothing else in the batch and the sampler keeps no per-request state.
-Log-probabilities are of the model's raw distribution (before penalties and filters).
+Log-probabilities are of the model's raw distribution (before penalties and filters),
+for generated tokens (``logprobs``) and for prompt tokens (``prompt_logprobs``).
 A request with ``n > 1`` at its first token also gets its other samples' first tokens
 (``SampleResult.forks``), drawn from the same row with each sample's own seed.
 """
@@ -17,6 +18,7 @@ import torch
 
 from .core.request import Request
 from .interfaces import SampleResult
+from .outputs import PromptTokenLogprob
 
 _LOGIT_LIMIT = 1e30  # finite in float32 with room for the softmax's max-subtraction
 _SEED_STRIDE = 0x9E3779B1  # spreads (seed, position) pairs over the generator's seed space
@@ -79,19 +81,48 @@ class Sampler:
 
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, requests: Sequence[Request], params_list: list) -> torch.Tensor:
-        penalised = [i for i, p in enumerate(params_list) if p.repetition_penalty != 1.0]
+        """Repetition penalty (over prompt and output), then OpenAI's presence and frequency
+        penalties (over the output): ``logit -= frequency * count + presence * (count > 0)``.
+        Returns ``logits`` itself when no row is penalised, else a penalised copy."""
+        penalised = [i for i, p in enumerate(params_list)
+                     if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty]
         if not penalised:
             return logits
         logits = logits.clone()
+        vocab = logits.shape[1]
         for i in penalised:
-            penalty = params_list[i].repetition_penalty
-            seen = torch.tensor(sorted(set(requests[i].all_token_ids)), dtype=torch.long)
-            seen = seen[seen < logits.shape[1]]
-            values = logits[i, seen]
-            penalised = torch.where(values > 0, values / penalty, values * penalty)
+            params, row = params_list[i], logits[i]
+            if params.repetition_penalty != 1.0:
+                seen = torch.tensor(sorted(set(requests[i].all_token_ids)), dtype=torch.long)
+                seen = seen[seen < vocab]
+                values = row[seen]
+                row[seen] = torch.where(values > 0, values / params.repetition_penalty,
+                                        values * params.repetition_penalty)
+            if params.presence_penalty or params.frequency_penalty:
+                output = torch.tensor(requests[i].output_token_ids, dtype=torch.long)
+                counts = torch.bincount(output[output < vocab], minlength=vocab).to(row.dtype)
+                row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(row.dtype)
             # An extreme penalty must not overflow: keep the logits finite so they stay drawable.
-            logits[i, seen] = penalised.clamp(-_LOGIT_LIMIT, _LOGIT_LIMIT)
+            row.clamp_(-_LOGIT_LIMIT, _LOGIT_LIMIT)
         return logits
+
+    @staticmethod
+    def prompt_logprobs(logits: torch.Tensor, token_ids: np.ndarray, num_top: Sequence[int]) -> list:
+        """Row ``r`` of float ``[R, V]`` ``logits`` predicts prompt token ``token_ids[r]``;
+        returns one ``PromptTokenLogprob`` per row (its ``num_top[r]`` most likely tokens too),
+        from the model's raw distribution (no penalties, no temperature)."""
+        log_probs = torch.log_softmax(logits.float().cpu(), dim=-1)
+        targets = torch.as_tensor(np.asarray(token_ids), dtype=torch.long).view(-1, 1)
+        chosen = log_probs.gather(1, targets).view(-1)
+        ranks = (log_probs > chosen.unsqueeze(1)).sum(dim=-1) + 1
+        k = min(max(num_top, default=0), log_probs.shape[1])
+        top_values, top_ids = torch.topk(log_probs, k) if k else (None, None)
+        out = []
+        for r, (token, logprob, rank) in enumerate(zip(targets.view(-1).tolist(), chosen.tolist(), ranks.tolist())):
+            top = {} if not num_top[r] else dict(zip(top_ids[r, : num_top[r]].tolist(),
+                                                     top_values[r, : num_top[r]].tolist()))
+            out.append(PromptTokenLogprob(token, logprob, rank, top))
+        return out
 
     @staticmethod
     def _filtered_probs(logits: torch.Tensor, params: list) -> torch.Tensor:

@@ -10,6 +10,16 @@ flattened into one ragged batch of ``num_tokens`` rows::
 For sequence ``i`` the new tokens sit at positions
 ``[num_computed_tokens[i], seq_lens[i])`` and attend causally to positions ``[0, seq_lens[i])``.
 Built with numpy: no Python loop runs per token.
+
+Rows that need logits (``logits_indices``), for a sequence of ``P`` prompt tokens::
+
+    positions:  0   1   ...   P-2 | P-1        | P ...
+    logits:     prompt rows       | sampled row | sampled rows (decodes)
+    predict:    token 1 ... P-1   | 1st output  | next outputs
+
+Sampled rows come first (``S`` of them, in ``sample_seq_indices`` order). Prompt rows
+follow (``R``), only for requests asking ``prompt_logprobs`` and only while their prompt
+is being computed; each chunk contributes the rows of its own positions.
 """
 from __future__ import annotations
 
@@ -24,7 +34,8 @@ from .request import Request
 
 @dataclass(slots=True)
 class StepMetadata:
-    """Flat arrays for one step. Shapes: T = num_tokens, B = num_seqs, S = rows sampled.
+    """Flat arrays for one step. Shapes: T = num_tokens, B = num_seqs, S = rows sampled,
+    R = prompt rows (rows whose logits give prompt-token log-probabilities).
 
     Attributes:
         input_ids: int64 [T] token ids to feed.
@@ -36,9 +47,13 @@ class StepMetadata:
         num_computed_tokens: int32 [B] context already in the cache before this step.
         block_tables: int32 [B, max_blocks] block ids per sequence; entries past
             ``ceil(seq_lens[i] / block_size)`` are padding (0) and must not be read.
-        logits_indices: int64 [S] rows of the flat batch whose logits are sampled (the last
-            row of every sequence that reaches its end this step).
+        logits_indices: int64 [S + R] rows of the flat batch whose logits the runner returns,
+            in this order: first the S sampled rows (the last row of every sequence that
+            reaches its end this step), then the R prompt rows.
         sample_seq_indices: int64 [S] the sequence each sampled row belongs to.
+        prompt_logits_seq_indices: int64 [R] the sequence each prompt row belongs to.
+        prompt_logits_token_ids: int64 [R] the prompt token each prompt row's logits predict
+            (the token at the row's position + 1).
         block_copies: int64 [K, 2] (src, dst) block copies (copy-on-write) to perform
             before this step's KV writes.
         block_size: tokens per block.
@@ -59,6 +74,23 @@ class StepMetadata:
     block_size: int
     num_decodes: int
     request_ids: list = field(default_factory=list)
+    prompt_logits_seq_indices: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    prompt_logits_token_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+
+    @property
+    def num_sampled_rows(self) -> int:
+        """S: the leading rows of the runner's logits, one per ``sample_seq_indices`` entry."""
+        return int(self.sample_seq_indices.shape[0])
+
+    @property
+    def num_prompt_logits_rows(self) -> int:
+        """R: the trailing rows of the runner's logits, for prompt log-probabilities."""
+        return int(self.prompt_logits_seq_indices.shape[0])
+
+    @property
+    def prompt_logits_positions(self) -> np.ndarray:
+        """int64 [R] the prompt position of each prompt row's target token."""
+        return self.positions[self.logits_indices[self.num_sampled_rows:]] + 1
 
     @property
     def num_tokens(self) -> int:
@@ -141,6 +173,7 @@ def build_step_metadata(
 
     total = np.fromiter((r.num_tokens for r in requests), dtype=np.int64, count=num_seqs)
     samples = np.flatnonzero(seq_lens == total)
+    prompt_rows, prompt_seqs, prompt_targets = _prompt_logit_rows(requests, computed, seq_lens, query_start_loc)
     copies = np.asarray(block_copies, dtype=np.int64).reshape(-1, 2)
     return StepMetadata(
         input_ids=input_ids,
@@ -150,13 +183,37 @@ def build_step_metadata(
         seq_lens=seq_lens.astype(np.int32),
         num_computed_tokens=computed.astype(np.int32),
         block_tables=block_tables,
-        logits_indices=query_start_loc[samples + 1] - 1,
+        logits_indices=np.concatenate([query_start_loc[samples + 1] - 1, prompt_rows]),
         sample_seq_indices=samples,
         block_copies=copies,
         block_size=block_size,
         num_decodes=leading_decodes(query_lens),
         request_ids=[r.request_id for r in requests],
+        prompt_logits_seq_indices=prompt_seqs,
+        prompt_logits_token_ids=prompt_targets,
     )
+
+
+def _prompt_logit_rows(requests: Sequence[Request], computed: np.ndarray, seq_lens: np.ndarray,
+                       query_start_loc: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(flat rows, sequence, target token) of every prompt row of the step (see the module doc).
+
+    Sequence ``i`` asking prompt log-probabilities, before its first output token, feeds
+    positions ``[computed[i], seq_lens[i])``; those below ``P - 1`` predict a prompt token.
+    """
+    rows, seqs, targets = [], [], []
+    for i, request in enumerate(requests):
+        if request.sampling_params.prompt_logprobs is None or request.num_output_tokens:
+            continue
+        start, stop = int(computed[i]), min(int(seq_lens[i]), request.num_prompt_tokens - 1)
+        if stop > start:
+            rows.append(np.arange(stop - start, dtype=np.int64) + int(query_start_loc[i]))
+            seqs.append(np.full(stop - start, i, dtype=np.int64))
+            targets.append(np.asarray(request.all_token_ids[start + 1 : stop + 1], dtype=np.int64))
+    if not rows:
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty, empty
+    return np.concatenate(rows), np.concatenate(seqs), np.concatenate(targets)
 
 
 def leading_decodes(query_lens: np.ndarray) -> int:

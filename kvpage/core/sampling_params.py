@@ -28,6 +28,12 @@ class SamplingParams:
         ignore_eos: keep generating past the EOS token.
         min_tokens: tokens to generate before EOS or stop ids may end the request.
         logprobs: number of top log-probabilities returned per generated token.
+        prompt_logprobs: number of top log-probabilities returned per prompt token (the
+            log-probability of the prompt token itself always comes too); None for none.
+            Such a request bypasses the prefix cache: every prompt token must be computed.
+        presence_penalty: in [-2, 2]; subtracted from the logit of every token already generated.
+        frequency_penalty: in [-2, 2]; times a token's count among the generated tokens,
+            subtracted from its logit (OpenAI's definition; the prompt does not count).
         priority: lower runs first under the ``priority`` scheduling policy.
     """
 
@@ -45,6 +51,9 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: Optional[int] = None
     priority: int = 0
+    prompt_logprobs: Optional[int] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         # Normalize, but let a non-iterable surface as the ValueError naming the field
@@ -103,5 +112,11 @@ class SamplingParams:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
             raise ValueError(f"logprobs must be a non-negative integer or None, got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (not is_int(self.prompt_logprobs) or self.prompt_logprobs < 0):
+            raise ValueError(f"prompt_logprobs must be a non-negative integer or None, got {self.prompt_logprobs!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not is_real(value) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
         if not is_int(self.priority):
             raise ValueError(f"priority must be an integer, got {self.priority!r}")

@@ -9,6 +9,8 @@ Policy per step (``max_num_batched_tokens`` is the token budget):
   2. If nothing was preempted, waiting requests are admitted in order while the budget,
      ``max_num_seqs`` and the pool allow. Each consults the prefix cache first, so cached
      tokens are never recomputed. Without chunked prefill a prompt runs whole or waits.
+     A request asking ``prompt_logprobs`` skips the lookup until its prompt is done: a
+     cached token would have no logits this time.
 
 The mechanics of blocks live in ``KVCacheManager``; this module only picks who runs.
 """
@@ -26,7 +28,7 @@ from .block_pool import BlockPool
 from .config import CacheConfig, SchedulerConfig
 from .kv_cache_manager import KVCacheManager, cdiv
 from .metadata import StepMetadata, build_step_metadata
-from .radix_cache import RadixCache
+from .radix_cache import PrefixMatch, RadixCache
 from .request import FinishReason, Request, RequestStatus, sample_request_id
 from .sampling_params import SamplingParams
 from .waiting_queue import WaitingQueue
@@ -66,6 +68,11 @@ class SchedulerOutput:
         """The request of each sampled row (``metadata.sample_seq_indices`` order)."""
         return [self.requests[i] for i in self.metadata.sample_seq_indices.tolist()]
 
+    @property
+    def prompt_logits_requests(self) -> list[Request]:
+        """The request of each prompt row (``metadata.prompt_logits_seq_indices`` order)."""
+        return [self.requests[i] for i in self.metadata.prompt_logits_seq_indices.tolist()]
+
 
 @dataclass(slots=True)
 class _StepPlan:
@@ -74,6 +81,15 @@ class _StepPlan:
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     newly_cached: list[int] = field(default_factory=list)
+
+
+_NO_HIT = PrefixMatch((), 0)
+
+
+def _uses_prefix_cache(request: Request) -> bool:
+    """Prompt log-probabilities need logits at every prompt position, so such a request
+    computes its whole prompt (it may still hit the cache when recomputed after preemption)."""
+    return request.sampling_params.prompt_logprobs is None or request.num_output_tokens > 0
 
 
 def _seats(request: Request) -> int:
@@ -200,7 +216,8 @@ class Scheduler:
                 break
             if len(self.running) + _seats(request) > self.config.max_num_seqs:
                 break  # its parallel samples will fork into seats of their own
-            hit = self.kv.match_prefix(request)
+            uses_cache = _uses_prefix_cache(request)
+            hit = self.kv.match_prefix(request) if uses_cache else _NO_HIT
             num_new = request.num_tokens - hit.num_tokens
             if chunked:
                 num_new = min(num_new, budget)
@@ -209,7 +226,7 @@ class Scheduler:
             if not self.kv.allocate_slots(request, num_new, hit):
                 break
             self.waiting.pop()
-            if self.prefix_cache is not None and not request.prefix_queried:
+            if self.prefix_cache is not None and not request.prefix_queried and uses_cache:
                 # Count each request once: a recompute after preemption hits its own blocks.
                 request.prefix_queried = True
                 self.prefix_cache.record_query(request.num_tokens, hit.num_tokens)
