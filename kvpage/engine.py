@@ -54,9 +54,11 @@ class LLMEngine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        request_id = self._new_id() if request_id is None else str(request_id)
         if request_id in self.outputs.states:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if "#" in request_id:
+            raise ValueError(f"request id {request_id!r}: '#' is reserved for naming parallel samples")
         token_ids = self.prompts.encode(prompt)
         eos = self.eos_token_ids[0] if self.eos_token_ids else None
         request = Request(sample_request_id(request_id, 0, params.n), token_ids,
@@ -64,6 +66,11 @@ class LLMEngine:
         self.scheduler.add_request(request)  # raises before any engine state is touched
         self.outputs.add_request(request_id, prompt if isinstance(prompt, str) else None, params, request, sink)
         self.num_prompt_tokens += len(token_ids)
+        return request_id
+
+    def _new_id(self) -> str:
+        while (request_id := str(next(self._ids))) in self.outputs.states:
+            pass  # the caller chose this one earlier
         return request_id
 
     def abort(self, request_id: str) -> bool:
