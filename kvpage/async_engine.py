@@ -9,17 +9,24 @@ sink is handed to the engine with the request, so no request map lives here.
 Contract of ``generate``: it yields ``StreamDelta`` objects as tokens are produced and,
 last, the request's final ``RequestOutput``. Cancelling the consumer (a client that
 disconnects) aborts the request, which frees its blocks.
+
+A request given ``timeout_s`` has a deadline, counted from ``add_request``: once per loop
+iteration (so once per step) the engine thread ends every request past its deadline with
+``finish_reason == "length"``, keeping the tokens made so far, and frees its blocks.
 """
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import heapq
 import itertools
 import logging
 import queue
 import threading
+import time
 from typing import Any, AsyncIterator, Callable, Optional, Union
 
+from .core.request import FinishReason
 from .core.sampling_params import SamplingParams
 from .engine import LLMEngine
 from .outputs import RequestOutput, StreamDelta
@@ -40,6 +47,10 @@ class AsyncLLM:
         self._thread: Optional[threading.Thread] = None
         self._stats: dict = engine.stats()
         self._finished_this_step: dict[str, RequestOutput] = {}
+        # (deadline, arrival, request id, sink): engine thread only; entries of requests that
+        # already ended are skipped when popped.
+        self._deadlines: list[tuple[float, int, str, Callable]] = []
+        self._deadline_order = itertools.count()
         self.observers: list[Callable[[list[StreamDelta], dict[str, RequestOutput]], None]] = []
 
     # ------------------------------------------------------------------ lifecycle
@@ -67,22 +78,36 @@ class AsyncLLM:
     def _run(self) -> None:
         while not self._stop.is_set():
             self._drain_commands(block=not self.engine.has_unfinished_requests())
+            self._finished_this_step = {}
+            self._expire_deadlines()
+            deltas = self._step() if not self._stop.is_set() and self.engine.has_unfinished_requests() else []
             self._stats = self.engine.stats()  # aborts and admissions change it even when idle
-            if self._stop.is_set() or not self.engine.has_unfinished_requests():
-                continue
-            self._finished_this_step: dict[str, RequestOutput] = {}
+            if deltas or self._finished_this_step:
+                self._notify(deltas)
+
+    def _step(self) -> list[StreamDelta]:
+        try:
+            return self.engine.step()  # results reach their streams through the sinks
+        except Exception as exc:  # noqa: BLE001 - keep serving: fail what was in flight, go on
+            log.exception("engine step crashed")
+            self._abort_all(f"engine error: {type(exc).__name__}: {exc}")
+            return []
+
+    def _notify(self, deltas: list[StreamDelta]) -> None:
+        for observer in self.observers:
             try:
-                deltas = self.engine.step()  # results reach their streams through the sinks
-            except Exception as exc:  # noqa: BLE001 - keep serving: fail what was in flight, go on
-                log.exception("engine step crashed")
-                self._abort_all(f"engine error: {type(exc).__name__}: {exc}")
-                continue
-            self._stats = self.engine.stats()
-            for observer in self.observers:
-                try:
-                    observer(deltas, self._finished_this_step)
-                except Exception:  # noqa: BLE001 - a metrics bug must not stop the engine thread
-                    log.exception("step observer failed")
+                observer(deltas, self._finished_this_step)
+            except Exception:  # noqa: BLE001 - a metrics bug must not stop the engine thread
+                log.exception("step observer failed")
+
+    def _expire_deadlines(self) -> None:
+        """End the requests past their deadline (``finish_reason == "length"``), freeing their blocks."""
+        now = time.monotonic()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, _, request_id, sink = heapq.heappop(self._deadlines)
+            state = self.engine.outputs.states.get(request_id)
+            if state is not None and state.sink is sink:  # not a later request reusing the id
+                self.engine.abort_with_output(request_id, reason=FinishReason.LENGTH)
 
     def _drain_commands(self, block: bool) -> None:
         try:
@@ -131,23 +156,34 @@ class AsyncLLM:
 
     # ------------------------------------------------------------------ public API
     async def add_request(self, prompt: Prompt, params: Optional[SamplingParams] = None,
-                          request_id: Optional[str] = None) -> "RequestStream":
+                          request_id: Optional[str] = None, timeout_s: Optional[float] = None) -> "RequestStream":
         """Validate and queue a request on the engine thread; return its result stream.
 
+        ``timeout_s``: seconds from now after which the request ends with ``"length"``.
         Raises ``ValueError`` for bad input and ``QueueFullError`` when the waiting queue is full.
         """
         if not self.is_running:
             raise RuntimeError("the engine is not running")
+        if timeout_s is not None and not timeout_s > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout_s!r}")
         request_id = request_id or f"req-{next(self._ids)}"
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         results: asyncio.Queue = asyncio.Queue()
         sink = self._sink(asyncio.get_running_loop(), results, request_id)
-        await asyncio.wrap_future(self._call(lambda: self.engine.add_request(prompt, params, request_id, sink=sink)))
+
+        def add() -> None:
+            self.engine.add_request(prompt, params, request_id, sink=sink)
+            if deadline is not None:
+                heapq.heappush(self._deadlines, (deadline, next(self._deadline_order), request_id, sink))
+
+        await asyncio.wrap_future(self._call(add))
         return RequestStream(self, request_id, results)
 
     async def generate(self, prompt: Prompt, params: Optional[SamplingParams] = None,
-                       request_id: Optional[str] = None) -> AsyncIterator[Union[StreamDelta, RequestOutput]]:
+                       request_id: Optional[str] = None,
+                       timeout_s: Optional[float] = None) -> AsyncIterator[Union[StreamDelta, RequestOutput]]:
         """``add_request`` then iterate its stream (see the module docstring)."""
-        stream = await self.add_request(prompt, params, request_id)
+        stream = await self.add_request(prompt, params, request_id, timeout_s)
         async for item in stream:
             yield item
 

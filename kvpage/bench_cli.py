@@ -73,7 +73,7 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add("--device", choices=("auto", "cpu", "cuda"), default="auto")
     add("--out", type=Path, default=Path("bench_out"), help="folder for bench.json, bench.md and bench.png")
     add("--no-progress", action="store_true", help="no progress bars")
-    parser.set_defaults(func=run_bench)
+    parser.set_defaults(func=run_bench, subparser=parser)
     return parser
 
 

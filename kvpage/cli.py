@@ -9,6 +9,8 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
+from .cli_args import CLIParser, UsageError
+
 
 def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
@@ -18,14 +20,17 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvpage", description="Paged KV-cache serving for Hugging Face models")
-    sub = parser.add_subparsers(dest="command", required=True)
+    from . import __version__
+
+    parser = CLIParser(prog="kvpage", description="Paged KV-cache serving for Hugging Face models")
+    parser.add_argument("--version", action="version", version=f"kvpage {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=CLIParser)
     demo = sub.add_parser("demo", help="run chat prompts through paged continuous batching and compare with HF")
     demo.add_argument("--model", default="smollm2-135m", help="local HF folder or alias (default: embedded SmolLM2)")
     demo.add_argument("--num-prompts", type=int, default=12)
     demo.add_argument("--max-tokens", type=int, default=48)
     demo.add_argument("--no-compare", action="store_true", help="skip the plain HF generate comparison")
-    demo.set_defaults(func=_demo)
+    demo.set_defaults(func=_demo, subparser=demo)
     _add_optional_subcommands(sub)
     return parser
 
@@ -40,8 +45,19 @@ def _add_optional_subcommands(sub) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    """Run one subcommand. A bad command line exits with status 2 and the usage of the
+    subcommand it was meant for (not the top-level one)."""
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args, unknown = parser.parse_known_args(argv)
+    command_parser = getattr(args, "subparser", parser)
+    if unknown:
+        command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.explicit = command_parser.explicit_dests(argv) if isinstance(command_parser, CLIParser) else set()
+    try:
+        return int(args.func(args) or 0)
+    except UsageError as exc:
+        command_parser.error(str(exc))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,10 @@
-"""``kvpage serve``: the OpenAI-compatible server, taking vLLM's flags."""
+"""``kvpage serve``: the OpenAI-compatible server, taking vLLM's flags.
+
+vLLM's classic command line works word for word (``--enable-chunked-prefill True``,
+``--model MODEL``). User errors end as one line on stderr: exit 2 for a bad command line
+(with ``serve``'s usage), 1 for a model or engine that cannot start; ``--log-level debug``
+shows the traceback too. What happens at start-up lives in ``kvpage.serve_startup``.
+"""
 from __future__ import annotations
 
 import argparse
@@ -6,9 +12,13 @@ import dataclasses
 import re
 from typing import Optional
 
+from .cli_args import DefaultsHelpFormatter, UsageError, non_negative_float, port, positive_float
 from .core.config import EngineConfig
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+DEFAULT_MODEL = "smollm2-135m"
+DTYPES = ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16", "half")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
 def parse_bytes(text: str) -> int:
@@ -20,58 +30,99 @@ def parse_bytes(text: str) -> int:
     return int(number * (1024 ** "_kmgt".index(unit) if unit else 1))
 
 
-def add_serve_parser(sub) -> None:
-    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
-    p.add_argument("model", nargs="?", default="smollm2-135m", help="local HF folder or alias (default: SmolLM2)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="GPU only; ignored on CPU")
-    p.add_argument("--kv-cache-memory", type=parse_bytes, default=None, help="KV budget, e.g. 2GiB")
-    p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--seed", type=int, default=0)
+def parse_device(text: str) -> str:
+    """``auto``, ``cpu``, ``cuda`` or ``cuda:N``."""
+    if text in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", text):
+        return text
+    raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from auto, cpu, cuda, cuda:N)")
+
+
+def add_serve_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                       description="Serve a Hugging Face model over an OpenAI-compatible HTTP API (vLLM's flags).",
+                       formatter_class=DefaultsHelpFormatter, allow_abbrev=False)
+    _model_flags(p)
+    _engine_flags(p)
+    _server_flags(p)
+    p.set_defaults(func=run_serve, subparser=p)
+    return p
+
+
+def _model_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None,
+                   help=f"local HF model folder or alias; default {DEFAULT_MODEL} (the embedded SmolLM2)")
+    p.add_argument("--model", dest="model_flag", default=None, metavar="MODEL",
+                   help="the same as the positional MODEL (vLLM's spelling); give one of the two")
+    p.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help="weights and KV dtype; auto is float32 on CPU and float16 on GPU")
+    p.add_argument("--device", type=parse_device, default="auto", metavar="{auto,cpu,cuda,cuda:N}",
+                   help="where the model runs; auto takes a CUDA device when there is one")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="names the API answers to (default: MODEL as given)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampler's shared random stream")
+
+
+def _engine_flags(p: argparse.ArgumentParser) -> None:
+    bool_flag = argparse.BooleanOptionalAction
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (a power of two)")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
+    p.add_argument("--enable-chunked-prefill", action=bool_flag, default=True,
+                   help="split long prompts into chunks that share steps with decodes; takes an optional value")
+    p.add_argument("--enable-prefix-caching", action=bool_flag, default=True,
+                   help="reuse the KV of shared prompt prefixes; takes an optional value")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="share of GPU memory for weights, activations and KV (GPU only; ignored on CPU)")
+    p.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
+                   help="KV budget in bytes, e.g. 2GiB (wins over --gpu-memory-utilization)")
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (wins over every budget)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest sequence, prompt + output, in tokens (default: the model's limit)")
+    p.add_argument("--attention-backend", default="auto", help="a registered attention backend: auto, cpu, cuda, "
+                   "reference")
+    p.add_argument("--enforce-eager", action=bool_flag, default=EngineConfig().enforce_eager,
+                   help="run the model op by op, without graph compilation; takes an optional value")
+    p.add_argument("--num-threads", type=int, default=None,
+                   help="compute threads for torch and numba (default: the CPUs this process may use)")
+
+
+def _server_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address to bind")
+    p.add_argument("--port", type=port, default=8000, help="TCP port to bind")
     p.add_argument("--api-key", default=None, help="require Authorization: Bearer <key> on /v1/*")
-    p.add_argument("--served-model-name", nargs="+", default=None)
     p.add_argument("--max-waiting", type=int, default=1024, help="waiting-queue bound; past it requests get 503")
-    p.add_argument("--max-body-bytes", type=parse_bytes, default=1 << 20)
+    p.add_argument("--max-body-bytes", type=parse_bytes, default=1 << 20, help="largest request body; past it, 413")
     p.add_argument("--max-tokens-cap", type=int, default=4096, help="largest max_tokens a request may ask for")
-    p.add_argument("--attention-backend", default="auto")
-    p.add_argument("--log-level", default="info")
-    p.set_defaults(func=run_serve)
+    p.add_argument("--max-request-seconds", type=positive_float, default=None,
+                   help="deadline of every request, from arrival; past it the request ends with "
+                        "finish_reason 'length'; a request's own 'timeout' field may shorten it (default: none)")
+    p.add_argument("--stats-interval-s", type=non_negative_float, default=10.0,
+                   help="seconds between the stats log lines; 0 disables them")
+    p.add_argument("--log-level", choices=LOG_LEVELS, default="info",
+                   help="log level of kvpage and uvicorn; debug also shows tracebacks of start-up errors")
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """The ``EngineConfig`` named by the parsed flags (each flag is a field of the same name)."""
-    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
-                           if hasattr(args, f.name)})
+    """The ``EngineConfig`` named by the parsed flags (each flag is a field of the same name).
+
+    Raises ``UsageError`` for a value the config refuses (a bad block size, ...).
+    """
+    try:
+        return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
+                               if hasattr(args, f.name)})
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def model_of(args: argparse.Namespace) -> str:
+    """The model named positionally or by ``--model``; both and different is a ``UsageError``."""
+    positional, flag = args.model, args.model_flag
+    if positional is not None and flag is not None and positional != flag:
+        raise UsageError(f"two models given: {positional!r} (positional) and {flag!r} (--model); give one")
+    return flag or positional or DEFAULT_MODEL
 
 
 def run_serve(args: argparse.Namespace) -> Optional[int]:
-    import uvicorn
+    from .serve_startup import serve
 
-    from .async_engine import AsyncLLM
-    from .llm import LLM
-    from .server.app import build_app
-
-    llm = LLM(args.model, config=config_from_args(args))
-    names = args.served_model_name or [str(args.model)]
-    async_llm = AsyncLLM(llm.engine).start()
-    app = build_app(async_llm, llm.tokenizer, names, llm.engine.scheduler.config.max_model_len,
-                    api_key=args.api_key, max_body_bytes=args.max_body_bytes, max_tokens_cap=args.max_tokens_cap)
-    stats = llm.stats()
-    print(f"kvpage: serving {names[0]} on http://{args.host}:{args.port} with {stats['num_blocks']} KV blocks "
-          f"of {args.block_size} tokens", flush=True)
-    try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
-    except KeyboardInterrupt:
-        pass  # uvicorn re-raises the Ctrl-C it handled once it has shut down: not an error
-    finally:
-        async_llm.shutdown()  # idempotent: also covers a lifespan that was cancelled
-    return 0
+    return serve(args, model_of(args), config_from_args(args))

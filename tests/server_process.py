@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Iterator, Optional, Sequence
 
 import httpx
 
@@ -33,13 +33,26 @@ def save_tiny_model(folder: str) -> str:
     return folder
 
 
+def log_path(port: int) -> str:
+    """Where ``running_server`` writes the server's stdout and stderr."""
+    return os.path.join(os.environ.get("TMPDIR", "/tmp"), f"kvpage-serve-{port}.log")
+
+
 @contextmanager
-def running_server(model: str, *args: str, startup_timeout_s: float = 180.0) -> Iterator[str]:
-    """Yield the base URL of a live server; always terminates it (SIGINT, then kill)."""
+def running_server(model: Optional[str], *args: str, startup_timeout_s: float = 180.0,
+                   command: Optional[Sequence[str]] = None) -> Iterator[str]:
+    """Yield the base URL of a live server; always terminates it (SIGINT, then kill).
+
+    ``command`` replaces the default command line (``python -m kvpage serve MODEL --host
+    127.0.0.1 --port PORT --log-level warning ARGS``); ``{port}`` in it becomes the port.
+    The server's output goes to ``log_path(port)``.
+    """
     port = free_port()
     cmd = [sys.executable, "-m", "kvpage", "serve", model, "--host", "127.0.0.1", "--port", str(port),
            "--log-level", "warning", *args]
-    log = open(os.path.join(os.environ.get("TMPDIR", "/tmp"), f"kvpage-serve-{port}.log"), "w+")
+    if command is not None:
+        cmd = [part.replace("{port}", str(port)) for part in command]
+    log = open(log_path(port), "w+")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=os.path.dirname(__file__))
     base = f"http://127.0.0.1:{port}"
     try:

@@ -5,6 +5,7 @@ large, 503 queue full (with ``Retry-After``), 500 for a failed generation.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 from typing import Any, Optional
@@ -15,12 +16,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvpage import __version__
 from kvpage.async_engine import AsyncLLM
 from kvpage.scheduler import QueueFullError
 
-from . import handlers
+from . import handlers, tokenization
 from .errors import error_response
 from .metrics import ServerMetrics
+from .stats_log import log_stats_forever
 from .protocol import ChatCompletionRequest, CompletionRequest
 
 
@@ -76,18 +79,27 @@ def _first_validation_message(exc: RequestValidationError) -> tuple[str, Optiona
 
 
 def build_app(llm: AsyncLLM, tokenizer: Any, served_model_names: list[str], max_model_len: int,
-              api_key: Optional[str] = None, max_body_bytes: int = 1 << 20, max_tokens_cap: int = 4096) -> FastAPI:
-    """Create the app around a started ``AsyncLLM``; the first served name is reported as the model."""
+              api_key: Optional[str] = None, max_body_bytes: int = 1 << 20, max_tokens_cap: int = 4096,
+              max_request_seconds: Optional[float] = None, stats_interval_s: float = 0.0) -> FastAPI:
+    """Create the app around a started ``AsyncLLM``; the first served name is reported as the model.
+
+    ``max_request_seconds``: every request's deadline (None: none). ``stats_interval_s``:
+    seconds between stats log lines while the app runs (0: none).
+    """
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
+        stats_task = asyncio.create_task(log_stats_forever(llm.stats, stats_interval_s)) if stats_interval_s else None
         yield
+        if stats_task is not None:
+            stats_task.cancel()
         llm.shutdown()  # after uvicorn's graceful period: abort what is left, stop the engine thread
 
-    app = FastAPI(title="kvpage", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="kvpage", version=__version__, lifespan=lifespan)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     metrics = ServerMetrics(llm.stats)
     llm.observers.append(metrics.observe_step)
-    ctx = handlers.ServingContext(llm, tokenizer, served_model_names[0], max_model_len, max_tokens_cap)
+    ctx = handlers.ServingContext(llm, tokenizer, served_model_names[0], max_model_len, max_tokens_cap,
+                                  vocab_size=llm.engine.prompts.vocab_size, max_request_seconds=max_request_seconds)
     app.state.metrics, app.state.ctx = metrics, ctx
 
     async def check_key(request: Request) -> None:
@@ -129,7 +141,26 @@ def build_app(llm: AsyncLLM, tokenizer: Any, served_model_names: list[str], max_
         check_model(body.model)
         return _respond(await handlers.chat_completions(ctx, body))
 
+    _tokenizer_routes(app, ctx, check_key, check_model)
     return app
+
+
+def _tokenizer_routes(app: FastAPI, ctx: handlers.ServingContext, check_key, check_model) -> None:
+    """``/tokenize``, ``/detokenize`` and ``/tokenizer_info`` (see ``tokenization``)."""
+
+    @app.post("/tokenize", dependencies=[Depends(check_key)])
+    async def tokenize(body: tokenization.TokenizeRequest):
+        check_model(body.model)
+        return tokenization.tokenize(ctx.tokenizer, ctx.max_model_len, body)
+
+    @app.post("/detokenize", dependencies=[Depends(check_key)])
+    async def detokenize(body: tokenization.DetokenizeRequest):
+        check_model(body.model)
+        return tokenization.detokenize(ctx.tokenizer, ctx.vocab_size, body)
+
+    @app.get("/tokenizer_info", dependencies=[Depends(check_key)])
+    async def tokenizer_info():
+        return tokenization.tokenizer_info(ctx.tokenizer, ctx.max_model_len)
 
 
 def _install_error_handlers(app: FastAPI) -> None:

@@ -32,15 +32,18 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: Optional[dict] = None
     user: Optional[str] = None
+    #: Seconds from arrival after which the request ends with finish_reason "length" (the
+    #: server's --max-request-seconds, when shorter, wins).
+    timeout: Optional[float] = Field(default=None, gt=0, allow_inf_nan=False)
 
-    def to_sampling_params(self, max_tokens: int, logprobs: Optional[int]) -> SamplingParams:
-        if self.presence_penalty or self.frequency_penalty:
-            raise ValueError("presence_penalty and frequency_penalty are not supported; use repetition_penalty")
+    def to_sampling_params(self, max_tokens: int, logprobs: Optional[int],
+                           prompt_logprobs: Optional[int] = None) -> SamplingParams:
         return SamplingParams(n=self.n, max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                               top_k=self.top_k, min_p=self.min_p, seed=self.seed, stop=self.stop,
                               stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
                               min_tokens=self.min_tokens, repetition_penalty=self.repetition_penalty,
-                              logprobs=logprobs)
+                              presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                              logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
     @property
     def include_usage(self) -> bool:
@@ -48,9 +51,29 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
+    """``max_tokens: 0`` is allowed with ``echo`` (score the prompt only). ``echo`` with
+    ``logprobs`` returns the prompt tokens' log-probabilities too (OpenAI's format);
+    ``prompt_logprobs`` is vLLM's field for them (its format, on each choice)."""
+
     prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: Optional[int] = Field(default=None, ge=0)
     logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+    prompt_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
     echo: bool = False
+
+    def check_echo(self) -> None:
+        """Raise ``ValueError`` for combinations this server does not serve."""
+        if self.max_tokens == 0 and not self.echo:
+            raise _param_error("max_tokens=0 needs echo=true (there would be nothing to return)", "max_tokens")
+        if self.stream and (self.max_tokens == 0 or self.prompt_logprobs is not None
+                            or (self.echo and self.logprobs is not None)):
+            raise _param_error("max_tokens=0, prompt_logprobs and echo with logprobs need stream=false", "stream")
+
+    @property
+    def num_prompt_logprobs(self) -> Optional[int]:
+        """Top log-probabilities to compute per prompt token, or None when none are wanted."""
+        wanted = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
+        return max(wanted) if wanted else None
 
     def prompts(self) -> list:
         """The prompt field as a list of prompts (strings or token-id lists)."""
@@ -88,3 +111,9 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+
+
+def _param_error(message: str, param: str) -> ValueError:
+    error = ValueError(message)
+    error.param = param  # type: ignore[attr-defined]
+    return error
