@@ -1,12 +1,17 @@
 """The ``kvpage`` attention implementation for Hugging Face transformers.
 
 Registered through ``transformers.AttentionInterface`` (no model class is patched).
-A model switched to it with ``set_attn_implementation("kvpage")`` expects every forward
-call to carry ``kvpage_context=<PagedForwardContext>`` in its kwargs; transformers hands
-those kwargs to each attention layer, which then
+During a paged forward the runner binds the step's ``PagedForwardContext`` with
+``paged_step(context)`` for exactly the duration of that forward (a ``ContextVar``, so it
+never leaks across threads or steps), and also passes it as ``kvpage_context=`` where the
+model threads kwargs through. Each attention layer finds the context either way (layers
+that drop ``**kwargs`` still work) and then
 
 1. scatters the step's new K/V rows into the layer's paged buffers by ``slot_mapping``;
 2. runs paged attention of the step's queries over each sequence's whole context.
+
+Under ``torch.compile`` the two run as one registered custom op, ``kvpage::paged_attention``
+(``paged_attention_op``), so the graph does not break at each layer.
 
 Per-step keyword arguments passed to ``model(...)`` (one documented contract):
     input_ids, position_ids: ``[1, T]`` flattened ragged batch.
@@ -62,6 +67,7 @@ class PagedForwardContext:
     backend: AttentionBackend
     prepared: Any
     layers_called: int = 0
+    num_real_tokens: Optional[int] = None  # rows past it are compile-bucket padding
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
                sliding_window: Optional[int], softcap: Optional[float], sinks: Optional[torch.Tensor]) -> torch.Tensor:
@@ -85,6 +91,7 @@ class ProbeContext:
     shapes: dict = field(default_factory=dict)  # layer index -> LayerKVShape
     dtype: Optional[torch.dtype] = None
     layers_called: int = 0
+    num_real_tokens: Optional[int] = None
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any) -> torch.Tensor:
         self.layers_called += 1
@@ -116,6 +123,9 @@ def kvpage_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """Attention over paged KV. ``query`` is ``[1, H, T, D]``, ``key``/``value`` ``[1, H_kv, T, D]``;
     returns ``([1, T, H, D], None)`` as transformers expects."""
+    if torch.compiler.is_compiling():
+        return _compiled_attention(module, query, key, value, scaling, sliding_window, softcap, s_aux)
+    kvpage_context = kvpage_context or _STEP.get()
     if kvpage_context is None:
         # A plain HF call (model.generate on a patched model): behave like stock attention.
         return _fallback_attention(module, query, key, value, attention_mask, scaling, dropout,
@@ -149,23 +159,45 @@ def _fallback_attention(module, query, key, value, attention_mask, scaling, drop
     return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
 
 
-# True while a kvpage engine runs a paged forward: HF's mask builders are then skipped,
-# since paged attention derives causality from positions and would ignore the mask.
-_PAGED_STEP: contextvars.ContextVar[bool] = contextvars.ContextVar("kvpage_paged_step", default=False)
+def _compiled_attention(module, query, key, value, scaling, sliding_window, softcap, s_aux):
+    """The traced form: the step's context is read inside the opaque op at run time."""
+    from .paged_attention_op import paged_attention_op
+
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    out = paged_attention_op(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+                             _layer_index(module), float(scaling), int(sliding_window or 0), float(softcap or 0.0),
+                             s_aux)
+    return out.unsqueeze(0), None
+
+
+# The context of the paged forward running now, if any. HF's mask builders are skipped
+# while one is bound, since paged attention derives causality from positions.
+_STEP: contextvars.ContextVar[Union[PagedForwardContext, ProbeContext, None]] = contextvars.ContextVar(
+    "kvpage_step", default=None)
 
 
 @contextlib.contextmanager
-def paged_step() -> Iterator[None]:
-    token = _PAGED_STEP.set(True)
+def paged_step(context: Union[PagedForwardContext, ProbeContext]) -> Iterator[None]:
+    """Bind ``context`` as the current step's for the duration of one forward."""
+    token = _STEP.set(context)
     try:
         yield
     finally:
-        _PAGED_STEP.reset(token)
+        _STEP.reset(token)
+
+
+def current_step() -> Union[PagedForwardContext, ProbeContext]:
+    """The bound step context; raises if no paged forward is running."""
+    context = _STEP.get()
+    if context is None:
+        raise RuntimeError("kvpage attention ran outside a paged step (no step context is bound)")
+    return context
 
 
 def kvpage_mask(*args: Any, **kwargs: Any) -> Optional[torch.Tensor]:
     """Mask builder for the ``kvpage`` implementation: none during paged steps, else an eager mask."""
-    if _PAGED_STEP.get():
+    if torch.compiler.is_compiling() or _STEP.get() is not None:
         return None
     from transformers.masking_utils import eager_mask
 

@@ -15,6 +15,7 @@ import torch
 from kvpage.core.metadata import StepMetadata
 from kvpage.kv_storage import PagedKVCache
 
+from .compiled_forward import CompiledForward
 from .hf_attention import (ATTN_IMPLEMENTATION, AttentionBackend, LayerKVShape, PagedForwardContext, ProbeContext,
                            paged_step, register_kvpage_attention)
 
@@ -53,6 +54,7 @@ class HFModelRunner:
         self.key_caches: list = []
         self.value_caches: list = []
         self.backend: Optional[AttentionBackend] = None
+        self.compiled: Optional[CompiledForward] = None  # set by compile()
         self.layer_shapes, self.kv_dtype = self._probe_layers()
 
     def _probe_layers(self) -> tuple[list[LayerKVShape], torch.dtype]:
@@ -65,15 +67,25 @@ class HFModelRunner:
             )
         return [probe.shapes[i] for i in range(self.num_layers)], probe.dtype
 
-    def probe_forward(self, num_tokens: int) -> ProbeContext:
-        """A forward of ``num_tokens`` dummy tokens with attention stubbed out (shapes, memory)."""
-        probe = ProbeContext()
-        ids = torch.zeros((1, num_tokens), dtype=torch.long, device=self.device)
-        positions = torch.arange(num_tokens, device=self.device).unsqueeze(0)
-        with torch.inference_mode(), paged_step():
-            self.model(input_ids=ids, position_ids=positions, use_cache=False, kvpage_context=probe,
-                       **({"logits_to_keep": 1} if self._takes_logits_to_keep else {}))
+    def probe_forward(self, num_tokens: int, forward: Optional[CompiledForward] = None) -> ProbeContext:
+        """A forward of ``num_tokens`` dummy tokens with attention stubbed out (shapes, memory,
+        compilation); through ``forward`` if given, else the eager model."""
+        probe = ProbeContext(num_real_tokens=num_tokens)
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        positions = torch.arange(num_tokens, device=self.device)
+        rows = torch.tensor([num_tokens - 1], device=self.device)
+        with torch.inference_mode(), paged_step(probe):
+            if forward is not None:
+                forward(ids, positions, rows)
+            else:
+                self.model(input_ids=ids.unsqueeze(0), position_ids=positions.unsqueeze(0), use_cache=False,
+                           kvpage_context=probe, **({"logits_to_keep": 1} if self._takes_logits_to_keep else {}))
         return probe
+
+    def compile(self) -> float:
+        """Run every later step through ``torch.compile``; compiles now. Returns the seconds taken."""
+        self.compiled = CompiledForward(self.model, self._takes_logits_to_keep)
+        return self.compiled.warm_up(lambda forward, n: self.probe_forward(n, forward))
 
     def bind(self, kv_cache: PagedKVCache, backend: AttentionBackend) -> None:
         """Attach the paged KV buffers (a ``PagedKVCache``) and the attention backend."""
@@ -89,20 +101,27 @@ class HFModelRunner:
         if len(metadata.block_copies):
             self.kv_cache.copy_blocks(metadata.block_copies)  # copy-on-write, before any KV write
         device = self.device
-        input_ids = torch.as_tensor(metadata.input_ids, device=device).unsqueeze(0)
-        positions = torch.as_tensor(metadata.positions, device=device).unsqueeze(0)
+        input_ids = torch.as_tensor(metadata.input_ids, device=device)
+        positions = torch.as_tensor(metadata.positions, device=device)
         rows = torch.as_tensor(metadata.logits_indices, dtype=torch.long, device=device)
-        context = PagedForwardContext(self.key_caches, self.value_caches, self.backend, self.backend.prepare(metadata))
-        kwargs = dict(input_ids=input_ids, position_ids=positions, use_cache=False, kvpage_context=context)
-        if self._takes_logits_to_keep:
-            kwargs["logits_to_keep"] = rows
-        with paged_step():
-            logits = self.model(**kwargs).logits[0]
-        if not self._takes_logits_to_keep:
-            logits = logits[rows]
+        context = PagedForwardContext(self.key_caches, self.value_caches, self.backend, self.backend.prepare(metadata),
+                                      num_real_tokens=metadata.num_tokens)
+        with paged_step(context):
+            if self.compiled is not None:
+                logits = self.compiled(input_ids, positions, rows)
+            else:
+                logits = self._eager_forward(input_ids, positions, rows, context)
         if context.layers_called != self.num_layers:
             raise RuntimeError(f"{self.num_layers - context.layers_called} layers bypassed kvpage attention")
         return logits.float()
+
+    def _eager_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
+                       context: PagedForwardContext) -> torch.Tensor:
+        kwargs = dict(input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0), use_cache=False,
+                      kvpage_context=context)
+        if self._takes_logits_to_keep:
+            return self.model(logits_to_keep=rows, **kwargs).logits[0]
+        return self.model(**kwargs).logits[0][rows]
 
     def restore(self) -> None:
         """Switch the model back to the attention implementation it had before."""

@@ -59,14 +59,15 @@ def _configs() -> dict:
         # Not supported: attention bypasses the interface, or there is no attention at all.
         "bloom": lambda: tf.BloomConfig(vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4),
         "stablelm": lambda: tf.StableLmConfig(**llama_like),
+        "nemotron": lambda: tf.NemotronConfig(**{**llama_like, "hidden_act": "relu2"}, partial_rotary_factor=0.5),
         "mamba": lambda: tf.MambaConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2),
     }
 
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3", "gpt2", "gpt_neox", "opt"]
 EXTENDED_FAMILIES = ["gpt_oss", "gpt_bigcode", "gptj", "codegen", "starcoder2", "phi", "mixtral", "olmo2", "cohere",
-                     "granite", "smollm3"]
-UNSUPPORTED_FAMILIES = ["bloom", "stablelm", "mamba"]
+                     "granite", "smollm3", "stablelm", "nemotron"]
+UNSUPPORTED_FAMILIES = ["bloom", "mamba"]
 
 
 def tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32):

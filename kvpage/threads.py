@@ -1,0 +1,82 @@
+"""One compute thread count for the whole engine, sized once from what this process may use.
+
+torch (its OpenMP pool) and numba (the CPU attention kernels) each keep a thread pool. Left
+alone, each sizes itself to every core of the machine, ignoring CPU affinity and cgroup
+quotas, and on a small machine the two pools oversubscribe the cores they share. The
+engine therefore sets both to the same count once, at start-up:
+
+* ``EngineConfig.num_threads`` (``--num-threads``) when given;
+* else ``KVPAGE_NUM_THREADS`` from the environment;
+* else the CPUs this process may run on: its affinity mask, capped by a cgroup v2 CPU
+  quota (``/sys/fs/cgroup/cpu.max``), at least 1.
+
+Spinning: OpenMP threads spin for a while after each parallel region before they sleep.
+That keeps torch's back-to-back kernels fast, but while a numba kernel runs, torch's
+spinning workers compete with it for the same cores. The command line sets
+``OMP_WAIT_POLICY``/``KMP_BLOCKTIME`` defaults before torch loads (``spin_defaults``);
+both are left alone when the user set them. Torch-free at import.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+from typing import Optional
+
+log = logging.getLogger("kvpage")
+
+
+def available_cpus(cpu_max_path: str = "/sys/fs/cgroup/cpu.max") -> int:
+    """CPUs this process may use: its affinity mask, capped by a cgroup v2 quota."""
+    try:
+        count = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        count = os.cpu_count() or 1
+    try:
+        quota, period = open(cpu_max_path).read().split()[:2]
+        if quota != "max":
+            count = min(count, max(1, math.floor(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return max(1, count)
+
+
+def resolve_num_threads(requested: Optional[int] = None) -> int:
+    """The engine's thread count (see the module docstring for the precedence)."""
+    if requested is not None:
+        return int(requested)
+    env = os.environ.get("KVPAGE_NUM_THREADS")
+    if env:
+        try:
+            value = int(env)
+        except ValueError:
+            raise ValueError(f"KVPAGE_NUM_THREADS must be a positive integer, got {env!r}") from None
+        if value <= 0:
+            raise ValueError(f"KVPAGE_NUM_THREADS must be a positive integer, got {env!r}")
+        return value
+    return available_cpus()
+
+
+def configure_threads(requested: Optional[int] = None) -> int:
+    """Give torch and numba the same thread count; returns it. Safe to call again."""
+    count = resolve_num_threads(requested)
+    try:
+        import torch
+
+        torch.set_num_threads(count)
+    except ImportError:
+        pass
+    try:
+        import numba
+
+        numba.set_num_threads(min(count, numba.config.NUMBA_NUM_THREADS))
+    except ImportError:
+        pass
+    log.info("compute threads: %d (torch and numba)", count)
+    return count
+
+
+def spin_defaults() -> None:
+    """Before torch loads: make idle OpenMP workers yield the cores soon (unless the user chose)."""
+    os.environ.setdefault("KMP_BLOCKTIME", "1")  # ms an Intel OpenMP worker spins before sleeping
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
