@@ -37,9 +37,18 @@ class SampleState:
     logprobs: Optional[list]
     cumulative_logprob: float = 0.0
 
+    @property
+    def finish_reason(self) -> Optional[str]:
+        """The scheduler's reason, except that a stop string found in the text is a stop even
+        when the same token also reached the length limit."""
+        detokenizer, reason = self.detokenizer, self.request.finish_reason
+        if detokenizer is not None and detokenizer.stopped_by is not None and reason is not FinishReason.ERROR:
+            return FinishReason.STOP.value
+        return reason.value if reason is not None else None
+
     def output(self, index: int) -> CompletionOutput:
         request = self.request
-        reason = request.finish_reason.value if request.finish_reason is not None else None
+        reason = self.finish_reason
         return CompletionOutput(index, self.detokenizer.text if self.detokenizer else "", request.output_token_ids,
                                 reason, self.logprobs, self.cumulative_logprob if self.logprobs is not None else None,
                                 request.error)
@@ -49,8 +58,9 @@ class SampleState:
 class RequestState:
     """One user request: its prompt, parameters and samples (``samples[k]`` is sample ``k``).
 
-    Samples 1..n-1 are forked at the first token; ``error`` is set when the request failed
-    before they existed, and stands for them in the output.
+    Samples 1..n-1 are forked at the first token; ``unforked_reason`` (and ``error``) is set
+    when the request ended (failed or aborted) before they existed, and stands for them in
+    the output.
     """
 
     request_id: str
@@ -59,12 +69,13 @@ class RequestState:
     samples: list[SampleState]
     sink: Optional[OutputSink] = None
     error: Optional[str] = None
+    unforked_reason: Optional[FinishReason] = None
     finished_time: Optional[float] = None
     prompt_logprobs: Optional[list] = None  # one PromptTokenLogprob (or None) per prompt position
 
     @property
     def finished(self) -> bool:
-        complete = len(self.samples) == self.params.n or self.error is not None
+        complete = len(self.samples) == self.params.n or self.unforked_reason is not None
         return complete and all(s.request.is_finished for s in self.samples)
 
     def metrics(self) -> RequestMetrics:
@@ -77,7 +88,8 @@ class RequestState:
 
     def output(self) -> RequestOutput:
         outputs = [s.output(i) for i, s in enumerate(self.samples)]
-        outputs += [CompletionOutput(k, "", [], FinishReason.ERROR.value, error=self.error)
+        reason = self.unforked_reason.value if self.unforked_reason is not None else None
+        outputs += [CompletionOutput(k, "", [], reason, error=self.error)
                     for k in range(len(self.samples), self.params.n)]
         return RequestOutput(self.request_id, self.prompt, self.samples[0].request.prompt_token_ids, outputs,
                              self.finished, self.metrics(),
@@ -147,9 +159,8 @@ class OutputProcessor:
             sample.logprobs.append(logprobs)
         detokenizer = sample.detokenizer
         text = detokenizer.update(request.all_token_ids) if detokenizer else ""
-        reason = request.finish_reason.value if request.finish_reason is not None else None
-        if reason is None and detokenizer is not None and detokenizer.stopped_by is not None:
-            reason = FinishReason.STOP.value
+        reason = sample.finish_reason
+        if reason is not None and not request.is_finished:  # a stop string: the engine finishes it
             self._stopped.append(request.request_id)
         if reason is not None:
             text += detokenizer.flush(request.all_token_ids) if detokenizer else ""
@@ -174,8 +185,8 @@ class OutputProcessor:
                 continue
             deltas.append(self._deliver(state, StreamDelta(state.request_id, request.sample_index, "", [],
                                                            FinishReason.ERROR.value, None, message)))
-            if len(state.samples) < state.params.n and state.error is None:
-                state.error = message
+            if len(state.samples) < state.params.n and state.unforked_reason is None:
+                state.unforked_reason, state.error = FinishReason.ERROR, message
                 deltas += [self._deliver(state, StreamDelta(state.request_id, k, "", [], FinishReason.ERROR.value,
                                                             None, message))
                            for k in range(len(state.samples), state.params.n)]
@@ -211,6 +222,8 @@ class OutputProcessor:
         state = self.states.get(request_id)
         if state is None:
             return None
+        if len(state.samples) < state.params.n and state.unforked_reason is None:
+            state.unforked_reason = FinishReason.ABORT
         output = self._close(state, deliver=False)
         if deliver and state.sink is not None:
             state.sink(output)
