@@ -72,15 +72,15 @@ def engine_summary(llm: Any, config: EngineConfig) -> list[str]:
     device = runner.device
     dtype = str(next(llm.model.parameters()).dtype).removeprefix("torch.")
     backend = getattr(runner.backend, "name", type(runner.backend).__name__)
-    kv = runner.kv_cache
+    kv = getattr(runner, "kv_cache", None)
+    size = f", {kv.nbytes / 2**20:.1f} MiB {kv.spec.dtype}" if kv is not None else ""
     rule = kv_sizing_rule(config.num_kv_blocks, config.kv_cache_memory, device.type)
     limit = llm.engine.scheduler.config.max_model_len
     return [
         f"model {llm.model_path or type(llm.model).__name__}: dtype {dtype}, device {device}, "
         f"threads {torch.get_num_threads()}, attention backend {backend}, max_model_len {limit}",
         f"KV cache: {stats['num_blocks']} blocks of {config.block_size} tokens "
-        f"({stats['num_blocks'] * config.block_size} tokens, {kv.nbytes / 2**20:.1f} MiB {kv.spec.dtype}); "
-        f"sized by the {rule} rule",
+        f"({stats['num_blocks'] * config.block_size} tokens{size}); sized by the {rule} rule",
     ]
 
 
@@ -107,6 +107,9 @@ def serve(args: argparse.Namespace, model: str, config: EngineConfig) -> int:
     try:
         check_port_free(args.host, args.port)
         llm = _start_engine(args, model, config)
+    except KeyboardInterrupt:
+        print("kvpage serve: interrupted during start-up", file=sys.stderr)
+        return 130
     except Exception as exc:  # noqa: BLE001 - every start-up failure is reported the same way
         if args.log_level == "debug":
             raise

@@ -90,6 +90,8 @@ def test_enforce_eager_and_num_threads_reach_the_config():
     (["--num-threads", "0"], "num_threads must be a positive integer"),
     (["--port", "70000"], "a port is in 0-65535"),
     (["--max-request-seconds", "-1"], "--max-request-seconds"),
+    (["--stats-interval-s", "-1"], "--stats-interval-s"),
+    (["--log-level", "loud"], "invalid choice: 'loud'"),
     (["--gpu-mem", "0.5"], "unrecognized arguments"),  # no abbreviations
 ])
 def test_usage_errors_exit_2_with_serves_usage(capsys, argv, message):
