@@ -163,17 +163,17 @@ def test_bad_cache_args():
         PagedKVCache(SPEC, 0)
 
 
-def _gpu_available() -> bool:
-    try:
-        import cupy
+def _gpu_reason():
+    from kvpage.cuda.interop import gpu_unavailable_reason
 
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # no cupy, no driver or no device
-        return False
+    return gpu_unavailable_reason()
+
+
+_GPU_REASON = _gpu_reason()
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _gpu_available(), reason="cupy backend needs a CUDA device")
+@pytest.mark.skipif(_GPU_REASON is not None, reason=f"cupy backend: {_GPU_REASON}")
 def test_cupy_buffers_and_dlpack_view():
     torch = pytest.importorskip("torch")
     cache = PagedKVCache(SPEC, 4, backend="cupy")
