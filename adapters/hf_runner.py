@@ -16,6 +16,7 @@ from kvpage.core.metadata import StepMetadata
 from kvpage.kv_storage import PagedKVCache
 
 from .compiled_forward import CompiledForward
+from .onednn_linear import use_onednn_linears
 from .hf_attention import (ATTN_IMPLEMENTATION, AttentionBackend, LayerKVShape, PagedForwardContext, ProbeContext,
                            paged_step, register_kvpage_attention)
 
@@ -48,6 +49,7 @@ class HFModelRunner:
         self.original_attn_implementation = model.config._attn_implementation
         register_kvpage_attention()
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        self._undo_linears = use_onednn_linears(model)
         self.num_layers = int(model.config.num_hidden_layers)
         self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.kv_cache: Optional[PagedKVCache] = None
@@ -124,5 +126,6 @@ class HFModelRunner:
         return self.model(**kwargs).logits[0][rows]
 
     def restore(self) -> None:
-        """Switch the model back to the attention implementation it had before."""
+        """Switch the model back to the attention implementation and linears it had before."""
         self.model.set_attn_implementation(self.original_attn_implementation)
+        self._undo_linears()

@@ -1,6 +1,6 @@
 """kvpage against vLLM's CPU build, side by side on this machine and the same weights.
 
-Offline (default): the same 64 requests (log-normal prompts of about 210 tokens, outputs
+Offline (default): kvpage eager and compiled (``enforce_eager=False``) against vLLM, on the same 64 requests (log-normal prompts of about 210 tokens, outputs
 of about 60, greedy, ``ignore_eos``) through each engine's ``LLM.generate``, each engine
 alone in its own interpreter, one after the other; only the generate call is timed, after
 a warm-up. Online (``--online``): each engine's OpenAI server started by this script on
@@ -81,11 +81,15 @@ def offline(model_path: str, dtypes: list[str], peer: str) -> list[dict]:
     for dtype in dtypes:
         work = offline_workload(model_path, dtype)
         vllm = run_offline_engine("vllm", peer, work, vllm_env(peer))
-        ours = run_offline_engine("kvpage", sys.executable, work)
-        rows.append({"dtype": dtype, "vllm_tok_s": vllm["tok_per_s"], "kvpage_tok_s": ours["tok_per_s"],
-                     "ratio": ours["tok_per_s"] / vllm["tok_per_s"], "tokens": ours["tokens"]})
-        print(f"{dtype}: vLLM {vllm['tok_per_s']:.1f} tok/s, kvpage {ours['tok_per_s']:.1f} tok/s "
-              f"({rows[-1]['ratio']:.2f}x)", flush=True)
+        row = {"dtype": dtype, "vllm_tok_s": vllm["tok_per_s"]}
+        for mode, eager in (("eager", True), ("compiled", False)):
+            ours = run_offline_engine("kvpage", sys.executable, {**work, "kvpage": {"enforce_eager": eager}})
+            row[f"kvpage_{mode}_tok_s"] = ours["tok_per_s"]
+            row[f"ratio_{mode}"] = ours["tok_per_s"] / vllm["tok_per_s"]
+        rows.append(row)
+        print(f"{dtype}: vLLM {vllm['tok_per_s']:.1f} tok/s; kvpage eager {row['kvpage_eager_tok_s']:.1f} "
+              f"({row['ratio_eager']:.2f}x), compiled {row['kvpage_compiled_tok_s']:.1f} "
+              f"({row['ratio_compiled']:.2f}x)", flush=True)
     return rows
 
 
@@ -186,7 +190,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     from kvpage.model_registry import resolve_model_path
 
-    model_path = resolve_model_path(args.model)
+    model_path = str(resolve_model_path(args.model))
     result = {"online": online(model_path, args.dtype[0], peer)} if args.online else \
         {"offline": offline(model_path, args.dtype, peer)}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)

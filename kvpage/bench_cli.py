@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+from .cli_args import non_negative_float
+
 SCENARIOS = ("sharegpt", "burst", "shared-prefix")
 SCALES = ("auto", "tiny", "quick", "cpu", "full")
 LETTERS = "ABCDE"
@@ -22,16 +24,6 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text}")
     return value
 
 
@@ -61,8 +53,8 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "A=HF static, B=HF continuous, C=paged, D=+chunked prefill, E=+prefix cache)")
     add("--scale", choices=SCALES, default="auto", help="workload size (auto: full on a GPU, cpu otherwise)")
     add("--quick", action="store_true", help="a smaller workload (scale 'quick'), for a fast look")
-    add("--rate", type=_non_negative_float, default=None, help="Poisson arrival rate, requests/s (0 = all at t=0)")
-    add("--kv-budget-mb", type=_non_negative_float, default=None, help="KV budget in MiB for every configuration "
+    add("--rate", type=non_negative_float, default=None, help="Poisson arrival rate, requests/s (0 = all at t=0)")
+    add("--kv-budget-mb", type=non_negative_float, default=None, help="KV budget in MiB for every configuration "
         "(default: what --static-seqs sequences at the workload's max length take)")
     add("--static-seqs", type=_positive_int, default=8, help="sequences the default KV budget holds at max length")
     add("--max-num-seqs", type=_positive_int, default=64, help="cap on sequences per step for B-E")

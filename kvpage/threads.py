@@ -10,11 +10,11 @@ engine therefore sets both to the same count once, at start-up:
 * else the CPUs this process may run on: its affinity mask, capped by a cgroup v2 CPU
   quota (``/sys/fs/cgroup/cpu.max``), at least 1.
 
-Spinning: OpenMP threads spin for a while after each parallel region before they sleep.
-That keeps torch's back-to-back kernels fast, but while a numba kernel runs, torch's
-spinning workers compete with it for the same cores. The command line sets
-``OMP_WAIT_POLICY``/``KMP_BLOCKTIME`` defaults before torch loads (``spin_defaults``);
-both are left alone when the user set them. Torch-free at import.
+Spinning: both pools are GNU OpenMP here (two copies of it), whose idle workers spin
+before they sleep. ``OMP_WAIT_POLICY=PASSIVE`` made no difference on an idle machine and
+``GOMP_SPINCOUNT`` tuning helped idle but collapsed under a competing process, so the
+defaults are left alone; both variables are honoured when the user sets them. Torch-free
+at import.
 """
 from __future__ import annotations
 
@@ -75,8 +75,3 @@ def configure_threads(requested: Optional[int] = None) -> int:
     log.info("compute threads: %d (torch and numba)", count)
     return count
 
-
-def spin_defaults() -> None:
-    """Before torch loads: make idle OpenMP workers yield the cores soon (unless the user chose)."""
-    os.environ.setdefault("KMP_BLOCKTIME", "1")  # ms an Intel OpenMP worker spins before sleeping
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

@@ -158,15 +158,7 @@ def build_step_metadata(
             ids += r.all_token_ids[c : c + n]
     input_ids = np.array(ids, dtype=np.int64).reshape(num_tokens)
 
-    # Padded block table: per-block work only (never per token).
-    blocks_per_seq = np.fromiter((len(r.block_ids) for r in requests), dtype=np.int64, count=num_seqs)
-    max_blocks = int(blocks_per_seq.max()) if num_seqs else 0
-    block_tables = np.zeros((num_seqs, max_blocks), dtype=np.int32)
-    flat_blocks = np.fromiter(
-        itertools.chain.from_iterable(r.block_ids for r in requests), dtype=np.int32, count=int(blocks_per_seq.sum())
-    )
-    block_tables[np.arange(max_blocks) < blocks_per_seq[:, None]] = flat_blocks
-
+    block_tables = _padded_block_tables(requests)
     seq_of_token = np.repeat(np.arange(num_seqs), query_lens)
     positions = np.arange(num_tokens, dtype=np.int64) - query_start_loc[seq_of_token] + computed[seq_of_token]
     slot_mapping = block_tables[seq_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
@@ -192,6 +184,19 @@ def build_step_metadata(
         prompt_logits_seq_indices=prompt_seqs,
         prompt_logits_token_ids=prompt_targets,
     )
+
+
+def _padded_block_tables(requests: Sequence[Request]) -> np.ndarray:
+    """int32 [B, max_blocks] block ids, zero-padded: per-block work only (never per token)."""
+    num_seqs = len(requests)
+    blocks_per_seq = np.fromiter((len(r.block_ids) for r in requests), dtype=np.int64, count=num_seqs)
+    max_blocks = int(blocks_per_seq.max()) if num_seqs else 0
+    block_tables = np.zeros((num_seqs, max_blocks), dtype=np.int32)
+    flat_blocks = np.fromiter(
+        itertools.chain.from_iterable(r.block_ids for r in requests), dtype=np.int32, count=int(blocks_per_seq.sum())
+    )
+    block_tables[np.arange(max_blocks) < blocks_per_seq[:, None]] = flat_blocks
+    return block_tables
 
 
 def _prompt_logit_rows(requests: Sequence[Request], computed: np.ndarray, seq_lens: np.ndarray,

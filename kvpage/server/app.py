@@ -78,6 +78,20 @@ def _first_validation_message(exc: RequestValidationError) -> tuple[str, Optiona
     return (f"{param}: {message}" if param else message), param
 
 
+def _key_checker(api_key: Optional[str]):
+    """A route dependency: with ``api_key`` set, require ``Authorization: Bearer <key>``."""
+
+    async def check_key(request: Request) -> None:
+        if api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), api_key):
+            raise _AuthError()
+
+    return check_key
+
+
 def build_app(llm: AsyncLLM, tokenizer: Any, served_model_names: list[str], max_model_len: int,
               api_key: Optional[str] = None, max_body_bytes: int = 1 << 20, max_tokens_cap: int = 4096,
               max_request_seconds: Optional[float] = None, stats_interval_s: float = 0.0) -> FastAPI:
@@ -102,13 +116,7 @@ def build_app(llm: AsyncLLM, tokenizer: Any, served_model_names: list[str], max_
                                   vocab_size=llm.engine.prompts.vocab_size, max_request_seconds=max_request_seconds)
     app.state.metrics, app.state.ctx = metrics, ctx
 
-    async def check_key(request: Request) -> None:
-        if api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), api_key):
-            raise _AuthError()
+    check_key = _key_checker(api_key)
 
     def check_model(name: Optional[str]) -> None:
         if name is not None and name not in served_model_names:
