@@ -4,3 +4,9 @@ import sys
 # Tests import helpers such as tiny_models from this folder.
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# oneDNN (the CPU linears) keeps an LRU cache of one compiled matmul per input shape (1024
+# entries by default), so resident memory rises until it is full. That is bounded, but it
+# would hide a real leak from the soak test's flat-RSS check; a small cache makes the check
+# see kvpage's own memory only. Read when torch loads, hence before any test imports it.
+os.environ.setdefault("LRU_CACHE_CAPACITY", "16")
+os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "16")
