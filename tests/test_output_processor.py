@@ -18,20 +18,10 @@ from kvpage import (
 from kvpage.core.request import sample_request_id
 from kvpage.interfaces import SampleResult
 from kvpage.output_processor import OutputProcessor, sequence_ids
+from char_tokenizer import SPECIAL, CharTokenizer  # noqa: F401
 from kvpage.outputs import RequestMetrics, RequestOutput, StreamDelta
 
 BS = 4
-SPECIAL = {0: "<pad>", 1: "<s>", 2: "</s>"}
-
-
-class CharTokenizer:
-    """ids 0..2 are special; id i >= 3 is chr(62 + i), so "A" is 3, "B" 4, ..."""
-
-    def encode(self, text: str) -> list[int]:
-        return [ord(c) - 62 for c in text]
-
-    def decode(self, ids, skip_special_tokens: bool = False) -> str:
-        return "".join(("" if skip_special_tokens else SPECIAL[i]) if i in SPECIAL else chr(62 + i) for i in ids)
 
 
 TOK = CharTokenizer()
