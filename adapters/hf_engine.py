@@ -167,7 +167,7 @@ def vocab_size(model: torch.nn.Module) -> int:
 def build_hf_engine(model: torch.nn.Module, tokenizer: Any, config: EngineConfig) -> LLMEngine:
     """Switch ``model`` to kvpage attention and return an engine bound to it."""
     configure_threads(config.num_threads)
-    runner = HFModelRunner(model)
+    runner = HFModelRunner(model, onednn_linears=config.onednn_linears)
     limit = model_max_len(model)
     max_model_len = config.max_model_len or limit
     if max_model_len > limit:

@@ -42,14 +42,14 @@ def check_supported(model: torch.nn.Module) -> None:
 class HFModelRunner:
     """Owns the model's switch to kvpage attention and one forward per step."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, onednn_linears: bool = False) -> None:
         check_supported(model)
         self.model = model
         self.device = next(model.parameters()).device
         self.original_attn_implementation = model.config._attn_implementation
         register_kvpage_attention()
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
-        self._undo_linears = use_onednn_linears(model)
+        self._undo_linears = use_onednn_linears(model) if onednn_linears else (lambda: None)
         self.num_layers = int(model.config.num_hidden_layers)
         self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.kv_cache: Optional[PagedKVCache] = None

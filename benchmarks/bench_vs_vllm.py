@@ -157,6 +157,7 @@ def online(model_path: str, dtype: str, peer: str, port: int = 8731) -> dict:
         "vllm": ([peer, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path, "--port", str(port),
                   "--host", "127.0.0.1", "--dtype", dtype, "--max-model-len", "2048"], vllm_env(peer)),
         "kvpage": ([sys.executable, "-m", "kvpage", "serve", model_path, "--port", str(port), "--dtype", dtype,
+                    "--onednn-linears",
                     "--max-model-len", "2048"], None),
     }
     results = {}

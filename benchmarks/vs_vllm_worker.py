@@ -17,7 +17,8 @@ import time
 def _run_kvpage(work: dict) -> tuple[int, float]:
     from kvpage import LLM, SamplingParams
 
-    llm = LLM(work["model"], dtype=work["dtype"], max_model_len=work["max_model_len"], **work.get("kvpage", {}))
+    options = {"onednn_linears": True, **work.get("kvpage", {})}
+    llm = LLM(work["model"], dtype=work["dtype"], max_model_len=work["max_model_len"], **options)
     warm = [SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)] * 4
     llm.generate(work["prompts"][:4], warm, use_tqdm=False)
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in work["max_tokens"]]

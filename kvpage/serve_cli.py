@@ -82,6 +82,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    "reference")
     p.add_argument("--enforce-eager", action=bool_flag, default=EngineConfig().enforce_eager,
                    help="run the model op by op, without graph compilation; takes an optional value")
+    p.add_argument("--onednn-linears", action=bool_flag, default=EngineConfig().onednn_linears,
+                   help="CPU: run the linears through oneDNN (faster; greedy results may then depend on "
+                   "batch composition at float rounding level); takes an optional value")
     p.add_argument("--num-threads", type=int, default=None,
                    help="compute threads for torch and numba (default: the CPUs this process may use)")
 

@@ -42,3 +42,21 @@ def test_onednn_linears_match_and_restore():
         undo()
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
     assert type(model[0]) is torch.nn.Linear and type(model[2]) is torch.nn.Linear
+
+
+def test_onednn_linears_are_opt_in_and_restored():
+    from kvpage import LLM
+    from kvpage.adapters.onednn_linear import OneDnnLinear, onednn_available
+    from tiny_models import tiny_model
+
+    model = tiny_model("llama")
+    if not onednn_available(model):
+        pytest.skip("oneDNN is not available in this torch build")
+    kinds = lambda: {type(m) for m in model.modules()}  # noqa: E731
+    plain = LLM(model, block_size=4, num_kv_blocks=16, max_model_len=64)
+    assert OneDnnLinear not in kinds()
+    plain.restore()
+    fast = LLM(model, block_size=4, num_kv_blocks=16, max_model_len=64, onednn_linears=True)
+    assert OneDnnLinear in kinds()
+    fast.restore()
+    assert OneDnnLinear not in kinds()

@@ -113,6 +113,10 @@ class EngineConfig:
         device: "auto", "cpu" or "cuda[:i]".
         attention_backend: a registered backend name, or "auto".
         enforce_eager: run the model op by op (no graph compilation; vLLM's flag).
+        onednn_linears: on CPU, run the model's linears through oneDNN on reordered weights
+            (1.4-1.6x faster fp32 matmuls on AMD CPUs). Off by default: oneDNN's kernels
+            depend on the batch's row count, so a near-tie greedy token can differ with what
+            else is in the batch, and exactness against HF ``generate`` is the default.
         num_threads: compute threads for the whole engine (torch and numba share them);
             ``None`` takes the CPUs this process may run on.
     """
@@ -133,6 +137,7 @@ class EngineConfig:
     device: str = "auto"
     attention_backend: str = "auto"
     enforce_eager: bool = True
+    onednn_linears: bool = False
     num_threads: Optional[int] = None
 
     def __post_init__(self) -> None:

@@ -33,7 +33,8 @@ def engine_config(ctx: RunContext, config: str) -> "EngineConfig":
     budget = ctx.token_budget if chunked else max(ctx.unchunked_token_budget, ctx.max_len)
     return EngineConfig(num_kv_blocks=ctx.num_kv_blocks, block_size=ctx.block_size, max_num_seqs=ctx.max_num_seqs,
                         max_num_batched_tokens=budget, enable_chunked_prefill=chunked,
-                        enable_prefix_caching=config == "E", max_model_len=ctx.max_len, seed=ctx.seed)
+                        enable_prefix_caching=config == "E", max_model_len=ctx.max_len, seed=ctx.seed,
+                        onednn_linears=True)
 
 
 def build_llm(ctx: RunContext, config: str):
