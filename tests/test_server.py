@@ -14,7 +14,10 @@ import pytest
 from kvpage import LLM, SamplingParams
 from server_process import running_server, save_tiny_model
 
-SERVE_ARGS = ("--block-size", "4", "--num-kv-blocks", "512", "--max-model-len", "128", "--max-num-seqs", "96",
+# float32: dtype "auto" is bf16 on CPUs with bf16 instructions, and bf16 rounding depends on
+# batch composition, while these tests compare served and offline greedy text exactly.
+SERVE_ARGS = ("--dtype", "float32", "--block-size", "4", "--num-kv-blocks", "512", "--max-model-len", "128",
+              "--max-num-seqs", "96",
               "--max-num-batched-tokens", "256", "--max-tokens-cap", "64", "--max-body-bytes", "65536")
 
 
@@ -36,7 +39,7 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def offline(model_dir):
-    llm = LLM(model_dir, block_size=4, num_kv_blocks=512, max_model_len=128)
+    llm = LLM(model_dir, block_size=4, num_kv_blocks=512, max_model_len=128, dtype="float32")
     yield llm
     llm.restore()
 
