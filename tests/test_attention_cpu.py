@@ -131,6 +131,21 @@ def test_half_precision(dtype, option, backends):
     check(run_torch(*case, dtype, backends, **opts), expected(*case, dtype, **opts), dtype)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("option", OPTIONS)
+def test_decode_context_splits(option, dtype):
+    """Few long sequences: the decode kernel splits each context and merges the parts."""
+    from kvpage.attention.numba_decode import decode_splits
+
+    rng = np.random.default_rng(7)
+    case = make_case(rng, [1, 1], [700, 1029], heads=4, kv_heads=2, head_dim=32)
+    assert decode_splits(2, 2, 1029, BS, 2) > 1
+    opts = options(rng, option, 4)
+    if option == "window":
+        opts["sliding_window"] = 300  # spans partitions and splits
+    check(run_torch(*case, dtype, ("numba", "numba"), **opts), expected(*case, dtype, **opts), dtype)
+
+
 def test_numba_float16_numpy_caches():
     rng = np.random.default_rng(3)
     q, kc, vc, *idx = make_case(rng, *SCENARIOS["mixed"])

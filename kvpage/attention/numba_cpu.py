@@ -5,13 +5,7 @@ Contract: the one in :mod:`kvpage.attention` (same masks, softcap, sinks, GQA ru
 torch CPU tensors are viewed zero-copy by :mod:`kvpage.attention.cpu`.
 
 Two kernels (the dispatcher feeds both from one precomputed step metadata):
-  * decode (the leading query-length-1 sequences): one work item = (sequence, a run of KV
-    heads; all of them unless the batch is too small to feed the threads). Token rows
-    ``[H_kv, D]`` are read contiguously, each K/V row once, all ``group`` query heads of
-    a KV head served from it (KV never expanded for GQA/MQA). Dot products over
-    ``head_dim`` are vectorized by letting LLVM re-associate the sum
-    (``fastmath={"reassoc", "contract"}``: no nnan/ninf, so masked ``-inf`` stays exact).
-    Measured ~1.6x faster than one item per (sequence, KV head) with strided rows.
+  * decode (the leading query-length-1 sequences): :mod:`kvpage.attention.numba_decode`.
   * tiled (prefill, chunked prefill, prefix hits): one work item = (tile of up to
     ``PREFILL_TILE`` query rows of one sequence, KV head). Per KV block the K rows are
     copied (and converted) into an fp32 ``[head_dim, block_size]`` scratch, so the q.k loop
@@ -34,11 +28,12 @@ from numba import get_num_threads, njit, prange, types
 from numba.extending import overload
 
 from .cpu import decodes_of
+from .numba_decode import run_decode
+from .numba_math import MODE_BF16, MODE_F16, MODE_F32
 
 #: Query rows per prefill work item. Decode sequences are always a tile of one row.
 PREFILL_TILE = 16
 
-MODE_F32, MODE_F16, MODE_BF16 = 0, 1, 2
 # float16 bit pattern -> float32 value; exact (every float16 is representable in float32).
 _FP16_TABLE = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
 
@@ -169,127 +164,6 @@ def _tile_row_update(qr, kt, vb, sr, t0, t1, j0, r_lo, p, softcap, m, den, acc_r
             acc_r[d] += e * vb[t, d]
 
 
-def _row_f32(cache, blk, t, h, buf, mode, table):  # pragma: no cover
-    """Row ``cache[blk, t, h, :]`` as fp32: a view for float32 caches, else converted into ``buf``."""
-
-
-@overload(_row_f32, jit_options={"cache": True})
-def _row_f32_impl(cache, blk, t, h, buf, mode, table):
-    if cache.dtype == types.float32:
-        def row_view(cache, blk, t, h, buf, mode, table):
-            return cache[blk, t, h]
-        return row_view
-
-    def row_convert(cache, blk, t, h, buf, mode, table):
-        row = cache[blk, t, h]
-        if mode == MODE_BF16:
-            bits = buf.view(np.uint32)
-            for d in range(row.shape[0]):
-                bits[d] = np.uint32(row[d]) << np.uint32(16)
-        else:
-            for d in range(row.shape[0]):
-                buf[d] = table[row[d]]
-        return buf
-    return row_convert
-
-
-# Re-association lets LLVM vectorize the head_dim dot products (a horizontal sum per
-# score); no nnan/ninf, so the -inf of masked positions stays exact.
-_DECODE_FASTMATH = {"reassoc", "contract"}
-
-
-@njit(parallel=True, cache=True, fastmath=_DECODE_FASTMATH)
-def _decode_kernel(q, kc, vc, block_tables, seq_lens, num_decodes, heads_per_item, scale, window,
-                   softcap, sinks, mode, table, out):
-    """Sequences ``0:num_decodes`` have one query row (row ``i`` of ``q``).
-
-    One work item = (sequence, ``heads_per_item`` consecutive KV heads). With all KV heads in
-    one item every token row ``[H_kv, D]`` is read contiguously (measured ~1.6x faster than
-    one item per KV head); fewer heads per item only buy parallelism for small batches.
-    """
-    splits = kc.shape[2] // heads_per_item
-    for item in prange(num_decodes * splits):
-        i = item // splits
-        _decode_one(q, kc, vc, block_tables[i], i, seq_lens[i], (item % splits) * heads_per_item,
-                    heads_per_item, scale, window, softcap, sinks, mode, table, out)
-
-
-@njit(cache=True, fastmath=_DECODE_FASTMATH)
-def _decode_one(q, kc, vc, bt_row, i, seq_len, h0, nh, scale, window, softcap, sinks, mode, table, out):
-    block_size, head_dim = kc.shape[1], kc.shape[3]
-    group = q.shape[1] // kc.shape[2]
-    rows = nh * group  # query heads h0*group ... (h0+nh)*group - 1
-    qf = np.empty((rows, head_dim), np.float32)
-    for r in range(rows):
-        for d in range(head_dim):
-            qf[r, d] = q[i, h0 * group + r, d] * scale
-    m = np.full(rows, -np.inf, np.float32)
-    den = np.zeros(rows, np.float32)
-    acc = np.zeros((rows, head_dim), np.float32)
-    s = np.empty((rows, block_size), np.float32)
-    buf = np.empty(head_dim, np.float32)
-    p = seq_len - 1
-    lo = 0 if window <= 0 else max(0, p - window + 1)
-    for b in range(lo // block_size, p // block_size + 1):
-        blk = bt_row[b]
-        a0 = max(lo - b * block_size, 0)
-        a1 = min(seq_len - b * block_size, block_size)
-        for t in range(a0, a1):
-            for hh in range(nh):
-                krow = _row_f32(kc, blk, t, h0 + hh, buf, mode, table)
-                for g in range(group):
-                    r = hh * group + g
-                    x = np.float32(0.0)
-                    for d in range(head_dim):
-                        x += qf[r, d] * krow[d]
-                    if softcap > 0:
-                        x = softcap * np.tanh(x / softcap)
-                    s[r, t] = x
-        _softmax_block(s, a0, a1, m, den, acc)
-        for t in range(a0, a1):
-            for hh in range(nh):
-                vrow = _row_f32(vc, blk, t, h0 + hh, buf, mode, table)
-                for g in range(group):
-                    r = hh * group + g
-                    e = s[r, t]
-                    for d in range(head_dim):
-                        acc[r, d] += e * vrow[d]
-    for r in range(rows):
-        _finish_row(acc[r], m[r], den[r], sinks, h0 * group + r, out[i, h0 * group + r])
-
-
-@njit(cache=True, fastmath=_DECODE_FASTMATH)
-def _softmax_block(s, a0, a1, m, den, acc):
-    """Streaming-softmax step: turn scores ``s[:, a0:a1]`` into weights, rescale ``acc``."""
-    for r in range(s.shape[0]):
-        mb = -np.inf
-        for t in range(a0, a1):
-            mb = max(mb, s[r, t])
-        m_new = max(m[r], mb)
-        alpha = np.exp(m[r] - m_new)
-        block_den = np.float32(0.0)
-        for t in range(a0, a1):
-            e = np.exp(s[r, t] - m_new)
-            s[r, t] = e
-            block_den += e
-        den[r] = den[r] * alpha + block_den
-        m[r] = m_new
-        for d in range(acc.shape[1]):
-            acc[r, d] *= alpha
-
-
-@njit(cache=True)
-def _finish_row(acc_r, m_r, den_r, sinks, head, out_row):
-    """Write ``acc / den`` (the sink, if any, adds ``exp(sink)`` to the denominator only)."""
-    inv = 1.0 / den_r
-    if sinks.shape[0] > 0:
-        sink = sinks[head]
-        mx = max(m_r, sink)
-        inv = np.exp(m_r - mx) / (den_r * np.exp(m_r - mx) + np.exp(sink - mx))
-    for d in range(acc_r.shape[0]):
-        out_row[d] = acc_r[d] * inv
-
-
 @njit(parallel=True, cache=True)
 def _paged_attention_kernel(q, kc, vc, block_tables, query_start_loc, seq_lens, work, scale,
                             window, softcap, sinks, mode, table, out):
@@ -318,15 +192,6 @@ def build_work_tiles(query_start_loc: np.ndarray, first_seq: int = 0, tile: int 
     start = (np.arange(seq.shape[0], dtype=np.int64) - first_tile[seq]) * tile
     end = np.minimum(start + tile, q_lens[seq])
     return np.ascontiguousarray(np.stack([seq + first_seq, start, end], axis=1).astype(np.int32))
-
-
-def decode_heads_per_item(num_decodes: int, num_kv_heads: int, num_threads: int) -> int:
-    """KV heads per decode work item: all of them (contiguous row reads) unless that leaves
-    fewer than ``4 * num_threads`` items, then the largest divisor that does not."""
-    for hpi in range(num_kv_heads, 0, -1):
-        if num_kv_heads % hpi == 0 and num_decodes * (num_kv_heads // hpi) >= 4 * num_threads:
-            return hpi
-    return 1
 
 
 def cache_mode(cache: np.ndarray, logical_dtype: str) -> tuple[int, np.ndarray]:
@@ -381,9 +246,8 @@ def paged_attention_numba(
     sinks_arr = np.zeros(0, np.float32) if sinks is None else np.ascontiguousarray(sinks, dtype=np.float32)
     scale, window, cap = np.float32(scaling), np.int64(sliding_window or 0), np.float32(softcap or 0.0)
     if num_decodes:
-        hpi = decode_heads_per_item(num_decodes, num_kv_heads, get_num_threads())
-        _decode_kernel(qf, key_cache, value_cache, tables, lens, np.int64(num_decodes), np.int64(hpi), scale,
-                       window, cap, sinks_arr, np.int64(mode), table, out)
+        run_decode(qf, key_cache, value_cache, tables, lens, num_decodes, get_num_threads(), scale, window, cap,
+                   sinks_arr, np.int64(mode), table, out)
     if work.shape[0]:
         _paged_attention_kernel(qf, key_cache, value_cache, tables, qsl, lens, work, scale, window, cap,
                                 sinks_arr, np.int64(mode), table, out)
