@@ -35,10 +35,11 @@ class Sampler:
     def sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> SampleResult:
         """``logits`` is float32 ``[S, V]``; row i belongs to ``requests[i]``."""
         logits = logits.float().cpu()
-        invalid = _invalid_rows(logits)
+        invalid, greedy_tokens = _check_rows(logits)
         if invalid:
             logits = torch.nan_to_num(logits)  # drawn, then ignored: the engine fails these rows
-        result = self._draw(logits, requests, [r.num_output_tokens for r in requests])
+        result = self._draw(logits, requests, [r.num_output_tokens for r in requests],
+                            greedy_tokens=None if invalid else greedy_tokens)
         result.invalid_rows = invalid
         for row, request in enumerate(requests):
             n = request.sampling_params.n
@@ -49,10 +50,11 @@ class Sampler:
         return result
 
     def _draw(self, logits: torch.Tensor, requests: Sequence[Request], positions: Sequence[int],
-              params_list: Optional[list] = None) -> SampleResult:
+              params_list: Optional[list] = None, greedy_tokens: Optional[torch.Tensor] = None) -> SampleResult:
+        """``greedy_tokens``: ``logits``' row argmax when the caller already has it."""
         params_list = params_list or [r.sampling_params for r in requests]
         num_rows = logits.shape[0]
-        tokens = torch.argmax(logits, dim=-1)
+        tokens = torch.argmax(logits, dim=-1) if greedy_tokens is None else greedy_tokens
         sampled_rows = [i for i, p in enumerate(params_list) if not p.greedy]
         adjusted = self._apply_penalties(logits, requests, params_list)
         if sampled_rows:
@@ -160,8 +162,12 @@ class Sampler:
         return out
 
 
-def _invalid_rows(logits: torch.Tensor) -> list[int]:
-    """Rows with a NaN or +inf anywhere, or nothing above -inf (models may mask part of the
-    vocabulary with -inf, which is fine)."""
-    bad = (torch.isnan(logits) | torch.isposinf(logits)).any(dim=-1) | ~(logits > float("-inf")).any(dim=-1)
-    return torch.nonzero(bad).flatten().tolist()
+def _check_rows(logits: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+    """(invalid rows, row argmax) in one pass over the logits.
+
+    A row is invalid with a NaN or +inf anywhere, or nothing above -inf (models may mask
+    part of the vocabulary with -inf, which is fine): exactly the rows whose maximum is not
+    finite, since the max propagates NaN. The argmax is the first maximal index, as
+    ``torch.argmax``'s, so greedy rows reuse it."""
+    row_max, argmax = logits.max(dim=-1)
+    return torch.nonzero(~torch.isfinite(row_max)).flatten().tolist(), argmax
