@@ -16,7 +16,7 @@ def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
     return run_demo(model=args.model, num_prompts=args.num_prompts, max_tokens=args.max_tokens,
-                    compare_hf=not args.no_compare)
+                    compare_hf=not args.no_compare, dtype=args.dtype)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,6 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--num-prompts", type=int, default=12)
     demo.add_argument("--max-tokens", type=int, default=48)
     demo.add_argument("--no-compare", action="store_true", help="skip the plain HF generate comparison")
+    demo.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"],
+                      help="float32 (default) keeps greedy answers comparable with HF one prompt at a time")
     demo.set_defaults(func=_demo, subparser=demo)
     _add_optional_subcommands(sub)
     return parser

@@ -50,11 +50,15 @@ def _hf_generate(llm, prompts: list[str], max_tokens: int) -> tuple[list[str], f
     return texts, time.perf_counter() - start, produced
 
 
-def run_demo(model: str = "smollm2-135m", num_prompts: int = 12, max_tokens: int = 48, compare_hf: bool = True) -> int:
+def run_demo(model: str = "smollm2-135m", num_prompts: int = 12, max_tokens: int = 48, compare_hf: bool = True,
+             dtype: str = "float32") -> int:
+    """Float32 by default: the demo checks greedy answers against HF ``generate`` one prompt at
+    a time, and only float32 is batch-invariant enough for that (bf16 rounding differs
+    between a batch of 12 and a batch of 1, so a few answers diverge after some tokens)."""
     from . import LLM, SamplingParams
 
-    print(f"Loading {model} ...", flush=True)
-    llm = LLM(model, max_num_seqs=32, block_size=16)
+    print(f"Loading {model} ({dtype}) ...", flush=True)
+    llm = LLM(model, max_num_seqs=32, block_size=16, dtype=dtype)
     questions = (QUESTIONS * (num_prompts // len(QUESTIONS) + 1))[:num_prompts]
     prompts = [_chat_prompt(llm.tokenizer, q) for q in questions]
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
