@@ -164,7 +164,7 @@ def _tile_row_update(qr, kt, vb, sr, t0, t1, j0, r_lo, p, softcap, m, den, acc_r
             acc_r[d] += e * vb[t, d]
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, nogil=True, cache=True)
 def _paged_attention_kernel(q, kc, vc, block_tables, query_start_loc, seq_lens, work, scale,
                             window, softcap, sinks, mode, table, out):
     num_kv_heads = kc.shape[2]
