@@ -160,6 +160,7 @@ def online(model_path: str, dtype: str, peer: str, port: int = 8731) -> dict:
                     "--onednn-linears",
                     "--max-model-len", "2048"], None),
     }
+    servers["kvpage compiled"] = (servers["kvpage"][0] + ["--no-enforce-eager"], None)
     results = {}
     for name, (cmd, env) in servers.items():
         proc = _start_server(cmd, env, port)
@@ -173,6 +174,7 @@ def online(model_path: str, dtype: str, peer: str, port: int = 8731) -> dict:
         print(f"{name}: {r['tok_per_s']:.1f} tok/s, TTFT P50 {r['ttft_p50_s']:.2f} s, ITL P50 "
               f"{1000 * r['itl_p50_s']:.0f} ms", flush=True)
     results["ratio"] = results["kvpage"]["tok_per_s"] / results["vllm"]["tok_per_s"]
+    results["ratio_compiled"] = results["kvpage compiled"]["tok_per_s"] / results["vllm"]["tok_per_s"]
     return results
 
 
