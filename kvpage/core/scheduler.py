@@ -11,6 +11,11 @@ Policy per step (``max_num_batched_tokens`` is the token budget):
      tokens are never recomputed. Without chunked prefill a prompt runs whole or waits.
      A request asking ``prompt_logprobs`` skips the lookup until its prompt is done: a
      cached token would have no logits this time.
+  3. With lower KV tiers (``KVOffloadManager``), a hit continues past the pool: host
+     blocks are loaded before the step's forward and count as cached tokens; a hit that
+     continues on disk parks the request (``FetchWaits``) until those blocks are read
+     into host memory. The byte copies come out of the step as ``SchedulerOutput.kv_transfers``
+     and, after a successful step, ``take_kv_saves`` (write-through to disk).
 
 The mechanics of blocks live in ``KVCacheManager``; this module only picks who runs.
 """
@@ -24,9 +29,14 @@ from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
+from .block_hash import BlockHash
 from .block_pool import BlockPool
 from .config import CacheConfig, SchedulerConfig
+from .fetch_waits import FetchWaits
 from .kv_cache_manager import KVCacheManager, cdiv
+from .kv_events import KVCacheEvent, KVEventLog
+from .kv_offload import KVOffloadManager
+from .kv_transfers import DiskOp, KVTransfers
 from .metadata import StepMetadata, build_step_metadata
 from .radix_cache import PrefixMatch, RadixCache
 from .request import FinishReason, Request, RequestStatus, sample_request_id
@@ -58,6 +68,8 @@ class SchedulerOutput:
     # valid once the step succeeds (see ``Scheduler.discard_step_cache``).
     newly_cached_blocks: list[int] = field(default_factory=list)
     forked: dict[int, list[Request]] = field(default_factory=dict)
+    # Copies between the pool and the lower tiers to run before the forward (None: none).
+    kv_transfers: Optional[KVTransfers] = None
 
     @property
     def is_empty(self) -> bool:
@@ -106,9 +118,16 @@ class Scheduler:
         self.config = scheduler_config
         self.block_size = cache_config.block_size
         self.pool = BlockPool(cache_config.num_blocks, cache_config.block_size)
-        self.prefix_cache = RadixCache(self.pool) if cache_config.enable_prefix_caching else None
-        self.kv = KVCacheManager(self.pool, self.prefix_cache)
+        self.kv_events = KVEventLog(cache_config.enable_kv_events)
+        self.offload = None
+        if cache_config.num_host_blocks:
+            self.offload = KVOffloadManager(self.block_size, cache_config.num_host_blocks,
+                                            cache_config.num_disk_blocks, self.kv_events)
+        self.prefix_cache = (RadixCache(self.pool, self.offload, self.kv_events)
+                             if cache_config.enable_prefix_caching else None)
+        self.kv = KVCacheManager(self.pool, self.prefix_cache, self.offload)
         self.waiting = WaitingQueue(scheduler_config.policy)
+        self.fetch_waits = FetchWaits()
         self.running: list[Request] = []  # kept sorted by sort_key (insort), never re-sorted per step
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
@@ -125,7 +144,7 @@ class Scheduler:
         if request.sampling_params.n > self.config.max_num_seqs:
             raise ValueError(f"n={request.sampling_params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
         limit = self.config.max_waiting
-        if limit is not None and len(self.waiting) >= limit:
+        if limit is not None and self.num_waiting >= limit:
             raise QueueFullError(f"the waiting queue is full ({limit} requests); retry later")
         request.status = RequestStatus.WAITING
         request.arrival_order = next(self._arrivals)
@@ -161,10 +180,11 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        """Requests not running yet: queued, or parked while their prefix is read from disk."""
+        return len(self.waiting) + len(self.fetch_waits)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running) or len(self.waiting) > 0
+        return bool(self.running) or self.num_waiting > 0
 
     # ------------------------------------------------------------------ the step
     def schedule(self) -> SchedulerOutput:
@@ -218,6 +238,10 @@ class Scheduler:
                 break  # its parallel samples will fork into seats of their own
             uses_cache = _uses_prefix_cache(request)
             hit = self.kv.match_prefix(request) if uses_cache else _NO_HIT
+            if hit.waits_for_disk and not request.kv_fetch_waited:
+                self.waiting.pop()
+                self._park_for_disk(request, hit)
+                continue
             num_new = request.num_tokens - hit.num_tokens
             if chunked:
                 num_new = min(num_new, budget)
@@ -235,6 +259,76 @@ class Scheduler:
             self._schedule_one(plan, request, num_new)
             budget -= num_new
 
+    def _park_for_disk(self, request: Request, hit: PrefixMatch) -> None:
+        """Start reading the hit's disk-only blocks; the request waits for them off the queue."""
+        started = self.offload.start_fetches(hit.fetch_hashes)
+        awaited = set(started) | {h for h in hit.pending_hashes if h in self.offload.host}
+        if awaited:
+            self.fetch_waits.park(request, awaited, time.monotonic())
+        else:  # nothing could be started: admit it with what the pool and host hold
+            request.kv_fetch_waited = True
+            self.waiting.push_front(request)
+
+    def complete_kv_fetches(self, results: Sequence[tuple[BlockHash, bool]]) -> None:
+        """Report finished disk reads ``(block hash, ok)``; requests waiting on them queue again.
+
+        Also releases requests past their wait deadline (call it once per step, results or not).
+        """
+        for block_hash, ok in results:
+            self.offload.complete_fetch(block_hash, ok)
+        if not len(self.fetch_waits):
+            return
+        released = self.fetch_waits.resolve((h for h, _ in results), time.monotonic())
+        for request in reversed(released):  # the earliest ends up first in line
+            self.waiting.push_front(request)
+
+    def take_kv_saves(self, output: SchedulerOutput) -> list[DiskOp]:
+        """After ``output``'s step succeeded: the disk writes that keep the disk tier a
+        mirror of the cache (its full blocks that are still cached), with LRU removals."""
+        if self.offload is None or self.offload.disk is None or not output.newly_cached_blocks:
+            return []
+        return self.kv.plan_disk_saves(output.newly_cached_blocks[::-1])
+
+    def complete_kv_saves(self, failed: Sequence[BlockHash]) -> None:
+        """Report disk writes that failed: the disk tier forgets them."""
+        for block_hash in failed:
+            self.offload.complete_save_failure(block_hash)
+
+    def discard_step_transfers(self, output: SchedulerOutput) -> None:
+        """The step's tier copies failed: forget what they stored (call with ``discard_step_cache``,
+        which forgets the pool blocks they loaded)."""
+        if output.kv_transfers is not None:
+            self.offload.discard_stores(output.kv_transfers)
+
+    def restore_disk_entries(self, hashes_oldest_first: Sequence[BlockHash], writable: bool = True) -> list[DiskOp]:
+        """Index the disk tier's entries found at start-up; returns the removals past its cap.
+
+        ``writable`` False: the disk serves what it holds and saves nothing.
+        """
+        if self.offload is None or self.offload.disk is None:
+            return []
+        self.offload.disk_writable = writable
+        return self.offload.restore_disk(hashes_oldest_first)
+
+    def reset_prefix_cache(self) -> list[BlockHash]:
+        """Empty every tier (``AllBlocksCleared``); returns the disk hashes whose files to delete.
+
+        Raises ``ValueError`` while any cached block is in use.
+        """
+        if self.prefix_cache is None:
+            return []
+        self.prefix_cache.reset()
+        dropped = self.offload.clear() if self.offload is not None else []
+        for request in self.fetch_waits.resolve((), float("inf")):
+            self.waiting.push_front(request)
+        self.kv_events.take()  # the per-block removals are subsumed by one clear
+        self.kv_events.cleared()
+        return dropped
+
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        """KV events since the last call, in order (empty unless ``enable_kv_events``)."""
+        return self.kv_events.take()
+
     def _emit(self, plan: _StepPlan) -> SchedulerOutput:
         # Decodes (query length 1) first: attention backends split the batch there.
         plan.scheduled.sort(key=lambda item: item[1] != 1)
@@ -243,7 +337,9 @@ class Scheduler:
         copies = self.kv.take_pending_copies(requests)
         metadata = build_step_metadata(requests, counts, self.block_size, copies)
         self.num_steps += 1
-        return SchedulerOutput(requests, counts, metadata, plan.preempted, plan.newly_cached[::-1])
+        transfers = self.offload.take_step_transfers() if self.offload is not None else None
+        return SchedulerOutput(requests, counts, metadata, plan.preempted, plan.newly_cached[::-1],
+                               kv_transfers=transfers)
 
     def _schedule_one(self, plan: _StepPlan, request: Request, num_new: int) -> None:
         plan.scheduled.append((request, num_new))
@@ -340,6 +436,7 @@ class Scheduler:
             self.running.remove(request)
         elif request.status is RequestStatus.WAITING:
             self.waiting.discard(request.request_id)
+            self.fetch_waits.discard(request.request_id)
         self.kv.free(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
@@ -384,6 +481,7 @@ class Scheduler:
         child = Request(child_id, parent.prompt_token_ids, sampling_params or parent.sampling_params,
                         parent.eos_token_id, parent.namespace, parent.arrival_time, parent.group_id, sample_index)
         child.all_token_ids = list(parent.all_token_ids)
+        child.block_hashes = list(parent.block_hashes)
         child.num_prompt_tokens = parent.num_prompt_tokens
         child.arrival_order = next(self._arrivals)  # unique: sort keys never tie
         child.first_token_time = parent.first_token_time
@@ -409,7 +507,19 @@ class Scheduler:
             "num_thrash_pins": self.num_thrash_pins,
             "num_running": self.num_running,
             "num_waiting": self.num_waiting,
+            **self._tier_stats(),
         }
+
+    def _tier_stats(self) -> dict:
+        if self.offload is None:
+            return {}
+        stats = self.offload.stats()
+        stats.update(kv_pool_evictions=self.prefix_cache.num_evicted_blocks,
+                     kv_pool_hit_tokens=self.kv.num_pool_hit_tokens,
+                     kv_host_hit_tokens=stats["kv_host_loads"] * self.block_size,
+                     kv_disk_hit_tokens=stats["kv_disk_loads"] * self.block_size,
+                     num_waiting_for_disk=len(self.fetch_waits))
+        return stats
 
     def check_integrity(self) -> None:
         """Assert pool, cache and request tables agree: every reference has a holder."""
@@ -417,6 +527,11 @@ class Scheduler:
             self.prefix_cache.check_integrity()
         else:
             self.pool.check_integrity()
+        if self.offload is not None:
+            self.offload.check_integrity()
+        for request in self.fetch_waits:
+            assert request.status is RequestStatus.WAITING and not request.block_ids
+            assert request.request_id not in self.waiting, f"{request!r} is both queued and parked"
         holders = [0] * self.pool.num_blocks
         for request in self.requests.values():
             if request.status is RequestStatus.WAITING:
