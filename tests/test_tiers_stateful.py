@@ -1,8 +1,8 @@
 """Stateful fuzz of the tiered prefix cache: pool, host and disk, under constant pressure.
 
 The real engine, scheduler, tier agent and disk store run over a tiny numpy KV pool; the
-model is a fake (``TruthRunner``) that writes, for every token, K = V = (a rolling hash of
-the token prefix, the position), and before it returns checks every position each
+model is a fake (``TruthRunner``) that writes, for every token, K = (a rolling hash of
+the token prefix, the position) and V = K + 1000, and before it returns checks every position each
 sequence attends to. So a block stored to host, loaded back, saved to disk, read back or
 copied on write that holds the wrong KV is caught on the step that would read it, whatever
 path it took. Rules add requests over shared prefixes, step, abort, evict the pool, fail a
@@ -76,12 +76,13 @@ class TruthRunner:
             ctx, start = int(metadata.seq_lens[i]), int(metadata.num_computed_tokens[i])
             pos = np.arange(ctx)
             slots = metadata.block_tables[i][pos // BS].astype(np.int64) * BS + pos % BS
-            want = np.stack([prefix_truth(tokens[:ctx]), pos.astype(np.float32)], axis=1)
-            for buf in bufs:  # every layer writes the step's KV before anyone attends
+            key = np.stack([prefix_truth(tokens[:ctx]), pos.astype(np.float32)], axis=1)
+            wants = (key, key + np.float32(1000))  # V differs from K: a swap shows
+            for buf, want in zip(bufs, wants):  # every layer writes the step's KV before anyone attends
                 buf[slots[start:]] = want[start:]
-            seqs.append((rid, slots, want))
-        for rid, slots, want in seqs:
-            for buf in bufs:
+            seqs.append((rid, slots, wants))
+        for rid, slots, wants in seqs:
+            for buf, want in zip(bufs, wants):
                 if not np.array_equal(buf[slots], want):
                     bad = int(np.flatnonzero((buf[slots] != want).any(axis=1))[0])
                     self.violations.append(f"{rid}: wrong KV at position {bad}")
@@ -233,4 +234,3 @@ def test_tiered_cache_state_machine():
     # The fuzz must reach every transfer path.
     assert totals["host_stores"] and totals["host_loads"] and totals["disk_saves"] and totals["disk_loads"], totals
     assert totals["drained"] >= EXAMPLES // 2, totals
-    print(totals)
