@@ -43,13 +43,13 @@ def attach_kv_tiers(engine: Any, config: EngineConfig, spec: KVCacheSpec, kv_cac
         disk = DiskKVStore(config.kv_disk_cache, model_fingerprint(model, spec), block_shape,
                            kv_cache.torch_key_cache(0).dtype)
         writable, problem = disk.open()
-        if problem:
-            log.warning("disk KV cache: %s; it serves what it holds and saves nothing", problem)
         found = disk.scan(remove_leftovers=writable)
         for op in engine.scheduler.restore_disk_entries(found, writable):
             if writable:
                 disk.remove(op.block_hash)
     engine.kv_tiers = KVTierAgent(kv_cache, offload.host.num_slots, disk, writable)
+    if disk is not None and problem:
+        engine.kv_tiers.note_unwritable(problem)
     log.info("KV tiers: host %d blocks (%.1f MiB)%s", offload.host.num_slots,
              offload.host.num_slots * spec.bytes_per_block / 2**20,
              "" if disk is None else f", disk {offload.disk.num_slots} blocks at {disk.dir} "

@@ -153,8 +153,13 @@ class KVTierAgent:
         for thread in threads:
             thread.join(max(0.0, deadline - time.monotonic()))
 
+    def note_unwritable(self, message: str) -> None:
+        """The disk folder could not be written at start-up: count it and warn."""
+        self._error("read_only", message, "it serves the blocks it holds and saves none")
+
     def stats(self) -> dict:
         stats = {f"kv_{name}_bytes": value for name, value in self.bytes.items()}
+        stats["kv_disk_writable"] = int(self.disk is not None and self.disk_writable)
         stats.update({f"kv_disk_errors_{kind}": count for kind, count in self.errors.items()})
         stats["kv_host_tier_bytes"] = self.host.nbytes
         stats["kv_disk_pending_writes"] = len(self._pending_writes)
@@ -253,7 +258,7 @@ class KVTierAgent:
         except OSError as exc:
             self._error(classify_os_error(exc), f"cannot delete a block file: {exc}")
 
-    def _error(self, kind: str, message: str) -> None:
+    def _error(self, kind: str, message: str, consequence: str = "recomputing instead") -> None:
         with self._lock:
             self.errors[kind] += 1
             count = self.errors[kind]
@@ -262,4 +267,4 @@ class KVTierAgent:
             if warn:
                 self._last_warning[kind] = now
         if warn:
-            log.warning("disk KV cache: %s; recomputing instead (kv_disk_errors_%s = %d)", message, kind, count)
+            log.warning("disk KV cache: %s; %s (kv_disk_errors_%s = %d)", message, consequence, kind, count)
