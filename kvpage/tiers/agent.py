@@ -74,6 +74,7 @@ class KVTierAgent:
         self._pending_bytes = 0
         self._last_warning: dict[str, float] = {}
         self._threads: list[threading.Thread] = []
+        self._closed = False
         if disk is not None:
             for target, name in ((self._read_loop, "kvpage-disk-reads"), (self._write_loop, "kvpage-disk-writes")):
                 thread = threading.Thread(target=target, name=name, daemon=True)
@@ -86,7 +87,10 @@ class KVTierAgent:
         if transfers is None:
             return
         for block_hash, slot in transfers.disk_fetches:  # first: queuing cannot fail
-            self._reads.put((block_hash, slot))
+            if self._closed:  # nobody would read it: report it failed so no request waits
+                self._done.put(("fetch", block_hash, False))
+            else:
+                self._reads.put((block_hash, slot))
         if len(transfers.host_stores):
             start = time.perf_counter()
             self.host.store(transfers.host_stores)
@@ -101,6 +105,11 @@ class KVTierAgent:
     def save(self, ops: Sequence[DiskOp]) -> None:
         """Snapshot the blocks of ``ops``' saves now; write and remove in the background, in order."""
         if not ops or self.disk is None:
+            return
+        if self._closed:
+            for op in ops:
+                if op.kind == "save":
+                    self._done.put(("save_failed", op.block_hash, False))
             return
         saves = [op for op in ops if op.kind == "save"]
         keys = values = None
@@ -146,6 +155,9 @@ class KVTierAgent:
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Finish the queued writes (up to ``timeout_s``) and stop the threads. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
         threads, self._threads = self._threads, []
         for q in (self._writes, self._reads):
             q.put(None)
