@@ -135,6 +135,21 @@ def test_stats_report_every_tier(llama, tmp_path):
     assert latency["host_store"]["count"] > 0 and latency["disk_store"]["count"] > 0
 
 
+def test_reset_prefix_cache_empties_every_tier(llama, tmp_path):
+    with engine(llama, kv_offloading_size=0.001, kv_disk_cache=str(tmp_path)) as llm:
+        first = _converse(llm, rounds=1)[0]
+        llm.engine.kv_tiers.flush()
+        assert _block_files(tmp_path)
+        llm.reset_prefix_cache()
+        llm.engine.kv_tiers.flush()
+        scheduler = llm.engine.scheduler
+        assert scheduler.pool.num_cached_blocks == 0
+        assert len(scheduler.offload.host) == 0 and len(scheduler.offload.disk) == 0
+        assert not _block_files(tmp_path)
+        assert _converse(llm, rounds=1)[0] == first
+        _check_drained(llm)
+
+
 # ---------------------------------------------------------------------- restart
 RESTART_SCRIPT = """
 import json, sys, torch

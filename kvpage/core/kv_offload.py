@@ -232,8 +232,12 @@ class KVOffloadManager:
         self.events.removed(gone, MEDIUM_HOST)
 
     def clear(self) -> list[BlockHash]:
-        """Forget every host and disk entry; returns the disk hashes (files to delete)."""
-        self.host.clear()
+        """Forget every host and disk entry; returns the disk hashes (files to delete).
+
+        Host entries a disk read is still filling stay until the read reports (their slots
+        are being written).
+        """
+        self.host.clear(keep_pending=True)
         self._stores, self._loads, self._load_pins, self._fetches = {}, [], [], []
         return self.disk.clear() if self.disk is not None else []
 

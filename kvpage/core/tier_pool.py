@@ -121,11 +121,12 @@ class TierPool:
         if entry is not None and entry.pins > 0:
             entry.pins -= 1
 
-    def clear(self) -> list[BlockHash]:
-        """Drop every entry; returns the hashes dropped."""
-        dropped = list(self._entries)
-        self._entries.clear()
-        self._free = list(range(self.num_slots - 1, -1, -1))
+    def clear(self, keep_pending: bool = False) -> list[BlockHash]:
+        """Drop every entry (with ``keep_pending``, all but those a transfer is still writing,
+        whose slots must not be handed out again under it); returns the hashes dropped."""
+        dropped = [h for h, e in self._entries.items() if not (keep_pending and not e.ready)]
+        for block_hash in dropped:
+            self.remove(block_hash)
         return dropped
 
     # ------------------------------------------------------------------ checks
