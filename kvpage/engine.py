@@ -122,7 +122,7 @@ class LLMEngine:
                 try:
                     self.kv_tiers.before_step(output.kv_transfers)  # disk reads for parked requests
                 except Exception:  # noqa: BLE001 - no request read these copies: forget them
-                    self.scheduler.discard_step_transfers(output)
+                    self.scheduler.tiers.discard_transfers(output)
                 if self.scheduler.fetch_waits:
                     self.kv_tiers.wait(0.05)  # only disk reads can make progress: do not spin
             self._publish_kv_events()
@@ -143,7 +143,7 @@ class LLMEngine:
             deltas = self._fail(output.requests, f"model step failed: {type(exc).__name__}: {exc}")
             self.scheduler.discard_step_cache(output)  # its KV was never (fully) written
             if not copied:
-                self.scheduler.discard_step_transfers(output)
+                self.scheduler.tiers.discard_transfers(output)
             self.outputs.close_finished()
             self._publish_kv_events()
             return deltas
@@ -163,7 +163,7 @@ class LLMEngine:
         self.outputs.close_finished()
         if self.kv_tiers is not None:
             # Before the next schedule can reuse the blocks: the agent snapshots them now.
-            self.kv_tiers.save(self.scheduler.take_kv_saves(output))
+            self.kv_tiers.save(self.scheduler.tiers.take_saves(output))
         self._publish_kv_events()
         return deltas
 
@@ -171,8 +171,8 @@ class LLMEngine:
         if self.kv_tiers is None:
             return
         fetched, failed_saves = self.kv_tiers.poll()
-        self.scheduler.complete_kv_saves(failed_saves)
-        self.scheduler.complete_kv_fetches(fetched)  # also times out requests waiting too long
+        self.scheduler.tiers.complete_saves(failed_saves)
+        self.scheduler.tiers.complete_fetches(fetched)  # also times out requests waiting too long
 
     def _publish_kv_events(self) -> None:
         events = self.scheduler.take_kv_events()

@@ -118,6 +118,7 @@ class TieredMachine(RuleBasedStateMachine):
                 if not self.engine.has_unfinished_requests():
                     break
                 self.engine.step()
+                self.engine.kv_tiers.flush()
             assert not self.engine.has_unfinished_requests(), "requests never finished"
             agent = self.engine.kv_tiers
             assert agent.flush()
@@ -165,6 +166,9 @@ class TieredMachine(RuleBasedStateMachine):
         totals["faults"] += fault is not None
         for _ in range(count):
             self.engine.step()
+            # Disk I/O runs on threads: wait for it, so the next step sees every completion
+            # and the run is reproducible (hypothesis replays and shrinks it).
+            assert self.engine.kv_tiers.flush()
             for output in self.engine.take_finished().values():
                 for sample in output.outputs:
                     self.history.append(list(output.prompt_token_ids) + list(sample.token_ids))

@@ -10,9 +10,9 @@ Two plans per step, each executed in order:
         2 host_loads     host slot -> pool block   prefix hits in the host tier
         (3 copy-on-write, 4 the forward: the model runner)
         disk_fetches     disk -> host slot         read in the background; the result comes
-                                                   back through ``Scheduler.complete_kv_fetches``
+                                                   back through ``TierScheduling.complete_fetches``
 
-    after a successful step  (``Scheduler.take_kv_saves``: a list of ``DiskOp``)
+    after a successful step  (``TierScheduling.take_saves``: a list of ``DiskOp``)
         save / remove    pool block -> disk file, disk file deleted (the disk tier's LRU)
 """
 from __future__ import annotations

@@ -15,7 +15,8 @@ Policy per step (``max_num_batched_tokens`` is the token budget):
      blocks are loaded before the step's forward and count as cached tokens; a hit that
      continues on disk parks the request (``FetchWaits``) until those blocks are read
      into host memory. The byte copies come out of the step as ``SchedulerOutput.kv_transfers``
-     and, after a successful step, ``take_kv_saves`` (write-through to disk).
+     and, after a successful step, ``tiers.take_saves`` (write-through to disk); see
+     ``TierScheduling``.
 
 The mechanics of blocks live in ``KVCacheManager``; this module only picks who runs.
 """
@@ -36,11 +37,12 @@ from .fetch_waits import FetchWaits
 from .kv_cache_manager import KVCacheManager, cdiv
 from .kv_events import KVCacheEvent, KVEventLog
 from .kv_offload import KVOffloadManager
-from .kv_transfers import DiskOp, KVTransfers
+from .kv_transfers import KVTransfers
 from .metadata import StepMetadata, build_step_metadata
 from .radix_cache import PrefixMatch, RadixCache
 from .request import FinishReason, Request, RequestStatus, sample_request_id
 from .sampling_params import SamplingParams
+from .tier_scheduling import TierScheduling
 from .waiting_queue import WaitingQueue
 
 
@@ -128,6 +130,8 @@ class Scheduler:
         self.kv = KVCacheManager(self.pool, self.prefix_cache, self.offload)
         self.waiting = WaitingQueue(scheduler_config.policy)
         self.fetch_waits = FetchWaits()
+        # The lower tiers' side of scheduling (parking, completions, disk saves); None without tiers.
+        self.tiers = TierScheduling(self.offload, self.kv, self.waiting, self.fetch_waits) if self.offload else None
         self.running: list[Request] = []  # kept sorted by sort_key (insort), never re-sorted per step
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
@@ -240,7 +244,7 @@ class Scheduler:
             hit = self.kv.match_prefix(request) if uses_cache else _NO_HIT
             if hit.waits_for_disk and not request.kv_fetch_waited:
                 self.waiting.pop()
-                self._park_for_disk(request, hit)
+                self.tiers.park_for_disk(request, hit)
                 continue
             num_new = request.num_tokens - hit.num_tokens
             if chunked:
@@ -259,57 +263,6 @@ class Scheduler:
             self._schedule_one(plan, request, num_new)
             budget -= num_new
 
-    def _park_for_disk(self, request: Request, hit: PrefixMatch) -> None:
-        """Start reading the hit's disk-only blocks; the request waits for them off the queue."""
-        started = self.offload.start_fetches(hit.fetch_hashes)
-        awaited = set(started) | {h for h in hit.pending_hashes if h in self.offload.host}
-        if awaited:
-            self.fetch_waits.park(request, awaited, time.monotonic())
-        else:  # nothing could be started: admit it with what the pool and host hold
-            request.kv_fetch_waited = True
-            self.waiting.push_front(request)
-
-    def complete_kv_fetches(self, results: Sequence[tuple[BlockHash, bool]]) -> None:
-        """Report finished disk reads ``(block hash, ok)``; requests waiting on them queue again.
-
-        Also releases requests past their wait deadline (call it once per step, results or not).
-        """
-        for block_hash, ok in results:
-            self.offload.complete_fetch(block_hash, ok)
-        if not len(self.fetch_waits):
-            return
-        released = self.fetch_waits.resolve((h for h, _ in results), time.monotonic())
-        for request in reversed(released):  # the earliest ends up first in line
-            self.waiting.push_front(request)
-
-    def take_kv_saves(self, output: SchedulerOutput) -> list[DiskOp]:
-        """After ``output``'s step succeeded: the disk writes that keep the disk tier a
-        mirror of the cache (its full blocks that are still cached), with LRU removals."""
-        if self.offload is None or self.offload.disk is None or not output.newly_cached_blocks:
-            return []
-        return self.kv.plan_disk_saves(output.newly_cached_blocks[::-1])
-
-    def complete_kv_saves(self, failed: Sequence[BlockHash]) -> None:
-        """Report disk writes that failed: the disk tier forgets them."""
-        for block_hash in failed:
-            self.offload.complete_save_failure(block_hash)
-
-    def discard_step_transfers(self, output: SchedulerOutput) -> None:
-        """The step's tier copies failed: forget what they stored (call with ``discard_step_cache``,
-        which forgets the pool blocks they loaded)."""
-        if output.kv_transfers is not None:
-            self.offload.discard_stores(output.kv_transfers)
-
-    def restore_disk_entries(self, hashes_oldest_first: Sequence[BlockHash], writable: bool = True) -> list[DiskOp]:
-        """Index the disk tier's entries found at start-up; returns the removals past its cap.
-
-        ``writable`` False: the disk serves what it holds and saves nothing.
-        """
-        if self.offload is None or self.offload.disk is None:
-            return []
-        self.offload.disk_writable = writable
-        return self.offload.restore_disk(hashes_oldest_first)
-
     def reset_prefix_cache(self) -> list[BlockHash]:
         """Empty every tier (``AllBlocksCleared``); returns the disk hashes whose files to delete.
 
@@ -318,9 +271,7 @@ class Scheduler:
         if self.prefix_cache is None:
             return []
         self.prefix_cache.reset()
-        dropped = self.offload.clear() if self.offload is not None else []
-        for request in self.fetch_waits.resolve((), float("inf")):
-            self.waiting.push_front(request)
+        dropped = self.tiers.clear() if self.tiers is not None else []
         self.kv_events.take()  # the per-block removals are subsumed by one clear
         self.kv_events.cleared()
         return dropped
@@ -511,15 +462,9 @@ class Scheduler:
         }
 
     def _tier_stats(self) -> dict:
-        if self.offload is None:
+        if self.tiers is None:
             return {}
-        stats = self.offload.stats()
-        stats.update(kv_pool_evictions=self.prefix_cache.num_evicted_blocks,
-                     kv_pool_hit_tokens=self.kv.num_pool_hit_tokens,
-                     kv_host_hit_tokens=stats["kv_host_loads"] * self.block_size,
-                     kv_disk_hit_tokens=stats["kv_disk_loads"] * self.block_size,
-                     num_waiting_for_disk=len(self.fetch_waits))
-        return stats
+        return {**self.tiers.stats(self.block_size), "kv_pool_evictions": self.prefix_cache.num_evicted_blocks}
 
     def check_integrity(self) -> None:
         """Assert pool, cache and request tables agree: every reference has a holder."""
@@ -527,11 +472,8 @@ class Scheduler:
             self.prefix_cache.check_integrity()
         else:
             self.pool.check_integrity()
-        if self.offload is not None:
-            self.offload.check_integrity()
-        for request in self.fetch_waits:
-            assert request.status is RequestStatus.WAITING and not request.block_ids
-            assert request.request_id not in self.waiting, f"{request!r} is both queued and parked"
+        if self.tiers is not None:
+            self.tiers.check_integrity()
         holders = [0] * self.pool.num_blocks
         for request in self.requests.values():
             if request.status is RequestStatus.WAITING:

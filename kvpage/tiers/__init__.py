@@ -44,7 +44,7 @@ def attach_kv_tiers(engine: Any, config: EngineConfig, spec: KVCacheSpec, kv_cac
                            kv_cache.torch_key_cache(0).dtype)
         writable, problem = disk.open()
         found = disk.scan(remove_leftovers=writable)
-        for op in engine.scheduler.restore_disk_entries(found, writable):
+        for op in engine.scheduler.tiers.restore_disk(found, writable):
             if writable:
                 disk.remove(op.block_hash)
     engine.kv_tiers = KVTierAgent(kv_cache, offload.host.num_slots, disk, writable)
