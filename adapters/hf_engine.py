@@ -17,6 +17,7 @@ from kvpage.engine import LLMEngine
 from kvpage.kv_storage import KVCacheSpec, PagedKVCache, determine_num_blocks
 from kvpage.sampler import Sampler
 from kvpage.threads import configure_threads
+from kvpage.tiers import attach_kv_tiers
 
 from .attention_backends import select_backend
 from .hf_runner import HFModelRunner, UnsupportedModelError
@@ -173,12 +174,19 @@ def build_hf_engine(model: torch.nn.Module, tokenizer: Any, config: EngineConfig
     if max_model_len > limit:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's {limit} positions")
     spec = kv_cache_spec(runner, config)
-    cache_config = config.cache_config(size_kv_cache(runner, spec, config, max_model_len))
+    cache_config = config.cache_config(size_kv_cache(runner, spec, config, max_model_len), spec.bytes_per_block,
+                                       max_model_len)
     scheduler = Scheduler(cache_config, config.scheduler_config(max_model_len))
     storage = "cupy" if runner.device.type == "cuda" else "torch"
     runner.bind(PagedKVCache(spec, cache_config.num_blocks, backend=storage),
                 select_backend(config.attention_backend, runner.device))
     if not config.enforce_eager:
         runner.compile()
-    return LLMEngine(runner, Sampler(config.seed), tokenizer, scheduler, vocab_size(model),
-                     eos_token_ids(model, tokenizer))
+    engine = LLMEngine(runner, Sampler(config.seed), tokenizer, scheduler, vocab_size(model),
+                       eos_token_ids(model, tokenizer))
+    attach_kv_tiers(engine, config, spec, runner.kv_cache, model)
+    if config.kv_events_config is not None and config.kv_events_config.publishes:
+        from kvpage.kv_events_publisher import attach_kv_events  # msgspec and pyzmq: the events extra
+
+        attach_kv_events(engine, config)
+    return engine

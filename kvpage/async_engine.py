@@ -65,7 +65,7 @@ class AsyncLLM:
         return self._thread is not None and self._thread.is_alive()
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Abort everything in flight, stop the loop and join the thread."""
+        """Abort everything in flight, stop the loop, join the thread and close the engine."""
         if self._thread is None:
             return
         self._call(self._abort_all, "the server is shutting down")
@@ -73,6 +73,7 @@ class AsyncLLM:
         self._commands.put(lambda: None)  # wake the loop
         self._thread.join(timeout_s)
         self._thread = None
+        self.engine.close()  # the disk tier's queued writes reach the disk before we return
 
     # ------------------------------------------------------------------ the thread
     def _run(self) -> None:

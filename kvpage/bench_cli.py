@@ -12,9 +12,9 @@ from typing import Optional, Sequence
 
 from .cli_args import non_negative_float
 
-SCENARIOS = ("sharegpt", "burst", "shared-prefix")
+SCENARIOS = ("sharegpt", "burst", "shared-prefix", "multi-turn")
 SCALES = ("auto", "tiny", "quick", "cpu", "full")
-LETTERS = "ABCDE"
+LETTERS = "ABCDEF"
 
 
 def _positive_int(text: str) -> int:
@@ -48,9 +48,10 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add = parser.add_argument
     add("--model", default=None, help="random-tiny|random-30m|random-50m|random-350m, a local HF folder or an alias "
         "such as smollm2-135m (default: random-30m on CPU, random-350m with --scale full)")
-    add("--scenario", type=_scenarios, default=SCENARIOS, help="comma list of sharegpt, burst, shared-prefix, or all")
+    add("--scenario", type=_scenarios, default=SCENARIOS,
+        help="comma list of sharegpt, burst, shared-prefix, multi-turn, or all")
     add("--configs", type=_configs, default=None, help="letters to run on every scenario (default: per scenario; "
-        "A=HF static, B=HF continuous, C=paged, D=+chunked prefill, E=+prefix cache)")
+        "A=HF static, B=HF continuous, C=paged, D=+chunked prefill, E=+prefix cache, F=E+host and disk KV tiers)")
     add("--scale", choices=SCALES, default="auto", help="workload size (auto: full on a GPU, cpu otherwise)")
     add("--quick", action="store_true", help="a smaller workload (scale 'quick'), for a fast look")
     add("--rate", type=non_negative_float, default=None, help="Poisson arrival rate, requests/s (0 = all at t=0)")

@@ -5,6 +5,11 @@
 sequence's scheduling state and tokens; the ``OutputProcessor`` owns everything the user
 sees. A fault in one step fails only that step's requests (``finish_reason == "error"``);
 everything else keeps running.
+
+With lower KV tiers the engine also drives ``kv_tiers`` (``kvpage.tiers.KVTierAgent``):
+each step it reports finished disk reads and failed writes to the scheduler, runs the
+step's tier copies before the forward, and after a successful step hands over the disk
+writes. With a ``kv_event_publisher`` each step's KV events go out as one batch.
 """
 from __future__ import annotations
 
@@ -38,6 +43,8 @@ class LLMEngine:
         self.num_step_errors = 0
         self.num_prompt_tokens = 0  # tokens of accepted prompts
         self._ids = itertools.count()
+        self.kv_tiers: Optional[Any] = None  # a KVTierAgent, attached by kvpage.tiers.attach_kv_tiers
+        self.kv_event_publisher: Optional[Any] = None  # attached by kv_events_publisher.attach_kv_events
 
     @property
     def tokenizer(self) -> Any:
@@ -108,12 +115,25 @@ class LLMEngine:
     # ------------------------------------------------------------------ the step
     def step(self) -> list[StreamDelta]:
         """Run one scheduled step; return a delta for every sample that changed."""
+        self._report_tier_results()
         output = self.scheduler.schedule()
         if output.is_empty:
+            if self.kv_tiers is not None:
+                try:
+                    self.kv_tiers.before_step(output.kv_transfers)  # disk reads for parked requests
+                except Exception:  # noqa: BLE001 - no request read these copies: forget them
+                    self.scheduler.tiers.discard_transfers(output)
+                if self.scheduler.fetch_waits:
+                    self.kv_tiers.wait(0.05)  # only disk reads can make progress: do not spin
+            self._publish_kv_events()
             return []
         for observe in self.step_observers:
             observe(output)
+        copied = False
         try:
+            if self.kv_tiers is not None:
+                self.kv_tiers.before_step(output.kv_transfers)
+            copied = True
             logits = self.runner.execute(output.metadata)
             problem = check_logits_shape(logits, len(output.metadata.logits_indices))
             if problem:
@@ -122,7 +142,10 @@ class LLMEngine:
             self.num_step_errors += 1
             deltas = self._fail(output.requests, f"model step failed: {type(exc).__name__}: {exc}")
             self.scheduler.discard_step_cache(output)  # its KV was never (fully) written
+            if not copied:
+                self.scheduler.tiers.discard_transfers(output)
             self.outputs.close_finished()
+            self._publish_kv_events()
             return deltas
         rows = output.sampled_requests
         result, errors = self._sample(logits[: len(rows)], rows)  # sampled rows first, then prompt rows
@@ -138,7 +161,38 @@ class LLMEngine:
         deltas += self.outputs.process_step(output, result, set(errors))
         self.scheduler.finish_requests(self.outputs.take_stopped(), FinishReason.STOP)  # all stop strings at once
         self.outputs.close_finished()
+        if self.kv_tiers is not None:
+            # Before the next schedule can reuse the blocks: the agent snapshots them now.
+            self.kv_tiers.save(self.scheduler.tiers.take_saves(output))
+        self._publish_kv_events()
         return deltas
+
+    def _report_tier_results(self) -> None:
+        if self.kv_tiers is None:
+            return
+        fetched, failed_saves = self.kv_tiers.poll()
+        self.scheduler.tiers.complete_saves(failed_saves)
+        self.scheduler.tiers.complete_fetches(fetched)  # also times out requests waiting too long
+
+    def _publish_kv_events(self) -> None:
+        events = self.scheduler.take_kv_events()
+        if events and self.kv_event_publisher is not None:
+            self.kv_event_publisher.publish(events)
+
+    def reset_prefix_cache(self) -> None:
+        """Empty every KV tier (pool cache, host, disk files). Raises ``ValueError`` while
+        any cached block is in use."""
+        dropped = self.scheduler.reset_prefix_cache()
+        if self.kv_tiers is not None:
+            self.kv_tiers.clear_disk(dropped)
+        self._publish_kv_events()
+
+    def close(self) -> None:
+        """Finish the disk tier's queued writes and stop the background threads (idempotent)."""
+        if self.kv_tiers is not None:
+            self.kv_tiers.close()
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.close()
 
     def _sample(self, logits: Any, rows: list[Request]) -> tuple[SampleResult, dict[int, str]]:
         """Sample every row; returns (result, {row: why it failed}). If the sampler raises,
@@ -176,4 +230,9 @@ class LLMEngine:
         stats["prompt_tokens"] = self.num_prompt_tokens
         stats["generation_tokens"] = self.outputs.num_generation_tokens
         stats.update(self.step_stats.summary())
+        if self.kv_tiers is not None:
+            stats.update(self.kv_tiers.stats())
+        if self.kv_event_publisher is not None:
+            stats["kv_events_published"] = self.kv_event_publisher.num_published
+            stats["kv_events_dropped"] = self.kv_event_publisher.num_dropped
         return stats

@@ -128,6 +128,17 @@ class LLM:
     def stats(self) -> dict:
         return self.engine.stats()
 
+    def reset_prefix_cache(self) -> None:
+        """Empty the prefix cache and its lower tiers (host memory, disk files), as vLLM's.
+
+        Raises ``ValueError`` while a request holds cached blocks.
+        """
+        self.engine.reset_prefix_cache()
+
+    def close(self) -> None:
+        """Finish the disk tier's queued writes and stop background threads (idempotent)."""
+        self.engine.close()
+
     def restore(self) -> None:
         """Give the model back its original attention implementation (plain HF use)."""
         self.engine.runner.restore()

@@ -13,7 +13,8 @@ import re
 from typing import Optional
 
 from .cli_args import DefaultsHelpFormatter, UsageError, non_negative_float, port, positive_float
-from .core.config import EngineConfig
+from .core.config import DEFAULT_DISK_CACHE_GIB, EngineConfig
+from .core.kv_events import KVEventsConfig
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 DEFAULT_MODEL = "smollm2-135m"
@@ -28,6 +29,14 @@ def parse_bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 4GiB, 512M, 1000000)")
     number, unit = float(match.group(1)), match.group(2).lower()
     return int(number * (1024 ** "_kmgt".index(unit) if unit else 1))
+
+
+def kv_events_config(text: str) -> KVEventsConfig:
+    """vLLM's ``--kv-events-config`` JSON object."""
+    try:
+        return KVEventsConfig.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def parse_device(text: str) -> str:
@@ -87,6 +96,19 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    "batch composition at float rounding level); takes an optional value")
     p.add_argument("--num-threads", type=int, default=None,
                    help="compute threads for torch and numba (default: the CPUs this process may use)")
+    _tier_flags(p)
+
+
+def _tier_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-offloading-size", type=positive_float, default=None, metavar="GiB",
+                   help="host memory for KV blocks evicted from the pool, in GiB (vLLM's flag); hits load them back")
+    p.add_argument("--kv-disk-cache", default=None, metavar="DIR",
+                   help="directory of a disk KV tier that persists across restarts (write-through)")
+    p.add_argument("--kv-disk-cache-size", type=positive_float, default=None, metavar="GiB",
+                   help=f"size cap of --kv-disk-cache in GiB (default {DEFAULT_DISK_CACHE_GIB:g}); LRU beyond it")
+    p.add_argument("--kv-events-config", type=kv_events_config, default=None, metavar="JSON",
+                   help='publish KV events as vLLM does, e.g. \'{"enable_kv_cache_events": true, "publisher": "zmq", '
+                        '"endpoint": "tcp://*:5557", "topic": "kv"}\'')
 
 
 def _server_flags(p: argparse.ArgumentParser) -> None:

@@ -87,3 +87,19 @@ def test_bad_cli_input_is_a_clear_error(capsys):
         main(["--scenario", "nope"])
     assert exc.value.code == 2
     assert "unknown scenario 'nope'" in capsys.readouterr().err
+
+
+def test_multi_turn_scenario_with_the_tiered_cache(tmp_path):
+    """Closed-loop conversations: F (E + host and disk tiers) computes fewer prefill tokens
+    than E for the same greedy tokens; A is skipped with its reason."""
+    opts = SuiteOptions(model="random-tiny", scenarios=("multi-turn",), configs={"multi-turn": "AEF"}, scale="tiny",
+                        progress=False, out_dir=tmp_path, token_budget=16, block_size=4)
+    report = run_suite(opts)
+    rows = _rows(report, "multi-turn")
+    assert rows["A"]["status"] == "skipped" and "closed-loop" in rows["A"]["reason"]
+    assert rows["E"]["useful_tokens"] == rows["F"]["useful_tokens"] == report["scenarios"][0]["useful_tokens"]
+    assert rows["F"]["greedy_match_pct"] == 100.0  # against E: the tiers change nothing but the cost
+    assert rows["F"]["prompt_tokens_sent"] == rows["E"]["prompt_tokens_sent"]
+    assert rows["F"]["later_turn_prefill_tokens_computed"] < rows["E"]["later_turn_prefill_tokens_computed"]
+    assert rows["F"]["kv_host_hit_tokens"] > 0
+    assert "TTFT later turns mean ms" in (tmp_path / "bench.md").read_text()

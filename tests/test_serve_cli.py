@@ -79,7 +79,25 @@ def test_enforce_eager_and_num_threads_reach_the_config():
     assert config_from_args(parse()).enforce_eager == EngineConfig().enforce_eager
 
 
+def test_kv_tier_and_event_flags_reach_the_config():
+    config = config_from_args(parse("--kv-offloading-size", "0.5", "--kv-disk-cache", "/tmp/kv",
+                                    "--kv-disk-cache-size", "2", "--kv-events-config",
+                                    '{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:5557", "topic": "kv"}'))
+    assert (config.kv_offloading_size, config.kv_disk_cache, config.kv_disk_cache_size) == (0.5, "/tmp/kv", 2.0)
+    events = config.kv_events_config
+    assert (events.enable_kv_cache_events, events.publisher, events.endpoint, events.topic) == (
+        True, "zmq", "tcp://127.0.0.1:5557", "kv")
+    plain = config_from_args(parse())
+    assert (plain.kv_offloading_size, plain.kv_disk_cache, plain.kv_events_config) == (None, None, None)
+
+
 @pytest.mark.parametrize("argv, message", [
+    (["--kv-offloading-size", "-1"], "--kv-offloading-size"),
+    (["--kv-offloading-size", "lots"], "expected a number"),
+    (["--kv-disk-cache-size", "2"], "kv_disk_cache_size needs kv_disk_cache"),
+    (["--kv-events-config", "{oops"], "not valid JSON"),
+    (["--kv-events-config", '{"colour": 1}'], "unknown key"),
+    (["--kv-offloading-size", "1", "--no-enable-prefix-caching"], "need enable_prefix_caching"),
     (["/a", "--model", "/b"], "two models given"),
     (["--bogus"], "unrecognized arguments: --bogus"),
     (["--enable-chunked-prefill=maybe"], "expected a boolean"),

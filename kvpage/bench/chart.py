@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-COLORS = {"A": "#d62728", "B": "#ff7f0e", "C": "#1f77b4", "D": "#2ca02c", "E": "#9467bd"}
+COLORS = {"A": "#d62728", "B": "#ff7f0e", "C": "#1f77b4", "D": "#2ca02c", "E": "#9467bd", "F": "#8c564b"}
 
 
 def panels(report: dict[str, Any]) -> list[dict[str, Any]]:

@@ -18,6 +18,13 @@ COLUMNS = [  # (summary key, header, format)
     ("prefix_hit_pct", "prefix hit %", "{:.1f}"),
     ("num_preemptions", "preempt.", "{:d}"),
 ]
+# Shown only for scenarios whose runs report them (the closed-loop multi-turn driver does).
+OPTIONAL_COLUMNS = [
+    ("ttft_later_turns_mean_ms", "TTFT later turns mean ms", "{:.0f}"),
+    ("prompt_tokens_sent", "prompt tok sent", "{:d}"),
+    ("prefill_tokens_computed", "prefill tok computed", "{:d}"),
+    ("later_turn_prefill_tokens_computed", "prefill tok computed, later turns", "{:d}"),
+]
 
 
 def _cell(value: Any, fmt: str) -> str:
@@ -29,16 +36,23 @@ def _cell(value: Any, fmt: str) -> str:
 def markdown(scenario: dict[str, Any]) -> str:
     """One scenario's results as a Markdown table; skipped configurations say why."""
     head = f"**{scenario['name']}** — {scenario['description']}; {scenario['num_requests']} requests, " \
-           f"{scenario['useful_tokens']} useful tokens, {'Poisson arrivals' if scenario['online'] else 'all at t=0'}"
-    lines = [head, "", "| config | " + " | ".join(h for _, h, _ in COLUMNS) + " |",
-             "|---" * (len(COLUMNS) + 1) + "|"]
+           f"{scenario['useful_tokens']} useful tokens, {_arrivals(scenario)}"
+    columns = COLUMNS + [c for c in OPTIONAL_COLUMNS if any(row.get(c[0]) is not None for row in scenario["results"])]
+    lines = [head, "", "| config | " + " | ".join(h for _, h, _ in columns) + " |",
+             "|---" * (len(columns) + 1) + "|"]
     for row in scenario["results"]:
         name = f"{row['config']}: {row['label']}"
         if row["status"] != "ok":
-            lines.append(f"| {name} | skipped: {row['reason']} |" + " |" * (len(COLUMNS) - 1))
+            lines.append(f"| {name} | skipped: {row['reason']} |" + " |" * (len(columns) - 1))
             continue
-        lines.append(f"| {name} | " + " | ".join(_cell(row.get(k), f) for k, _, f in COLUMNS) + " |")
+        lines.append(f"| {name} | " + " | ".join(_cell(row.get(k), f) for k, _, f in columns) + " |")
     return "\n".join(lines)
+
+
+def _arrivals(scenario: dict[str, Any]) -> str:
+    if scenario.get("closed_loop"):
+        return "closed loop (each turn sent when the previous one answered)"
+    return "Poisson arrivals" if scenario["online"] else "all at t=0"
 
 
 def scenario_entry(workload, results: list[RunResult], kv_budget_bytes: int) -> dict[str, Any]:
@@ -54,7 +68,7 @@ def scenario_entry(workload, results: list[RunResult], kv_budget_bytes: int) -> 
             row["greedy_match_pct"] = _match_pct(result, reference)
     return {
         "name": workload.name, "description": workload.description, "num_requests": len(workload.requests),
-        "online": workload.is_online, "max_len": workload.max_len, "useful_tokens": workload.num_useful_tokens,
+        "online": workload.is_online, "closed_loop": workload.closed_loop, "max_len": workload.max_len, "useful_tokens": workload.num_useful_tokens,
         "prompt_tokens": sum(len(r.prompt_ids) for r in workload.requests), "kv_budget_bytes": kv_budget_bytes,
         "useful_tokens_equal": len({row["useful_tokens"] for row in rows if row["status"] == "ok"}) <= 1,
         "greedy_reference": None if reference is None else reference.config,

@@ -4,7 +4,9 @@ Every configuration of a scenario sees the same workload and the same KV budget 
 bytes. Unless ``kv_budget_bytes`` is given, the budget is what ``static_seqs`` sequences
 at the longest scenario's ``max_len`` take: configuration A then batches ``static_seqs``
 requests (more on scenarios with shorter ``max_len``), while the paged configurations
-fit as many as the actual token counts allow.
+fit as many as the actual token counts allow. ``multi-turn`` sizes its own pool
+(``Workload.kv_budget_tokens``: a quarter of its conversations' history) so that its
+working set is several times the pool; it is left out of the shared budget.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from typing import Any, Optional
 from . import machine, model as model_mod, report, workload as wl
 from .runners import CONFIGS, RunContext
 
-DEFAULT_CONFIGS = {"sharegpt": "ABCDE", "burst": "ABCD", "shared-prefix": "ABDE"}
+DEFAULT_CONFIGS = {"sharegpt": "ABCDE", "burst": "ABCD", "shared-prefix": "ABDE", "multi-turn": "EF"}
 
 
 @dataclass
@@ -48,8 +50,15 @@ class SuiteOptions:
 def _budget(opts: SuiteOptions, loaded, workloads: list) -> int:
     if opts.kv_budget_bytes is not None:
         return opts.kv_budget_bytes
-    longest = max(-(-w.max_len // opts.block_size) * opts.block_size for w in workloads)
+    sized = [w for w in workloads if w.kv_budget_tokens is None] or workloads
+    longest = max(-(-w.max_len // opts.block_size) * opts.block_size for w in sized)
     return opts.static_seqs * longest * loaded.kv_bytes_per_token
+
+
+def _scenario_budget(opts: SuiteOptions, loaded, workload, shared: int) -> int:
+    if opts.kv_budget_bytes is not None or workload.kv_budget_tokens is None:
+        return shared
+    return workload.kv_budget_tokens * loaded.kv_bytes_per_token
 
 
 def _run_scenario(opts: SuiteOptions, loaded, workload, budget: int, bar) -> dict[str, Any]:
@@ -78,7 +87,7 @@ def run_suite(opts: SuiteOptions) -> dict[str, Any]:
     scenarios = []
     with tqdm(total=total, desc="kvpage bench", unit="run", disable=not opts.progress) as bar:
         for workload in workloads:
-            scenarios.append(_run_scenario(opts, loaded, workload, budget, bar))
+            scenarios.append(_run_scenario(opts, loaded, workload, _scenario_budget(opts, loaded, workload, budget), bar))
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(opts).items()}
     settings.update(num_params=loaded.num_params, kv_bytes_per_token=loaded.kv_bytes_per_token,
                     kv_budget_bytes=budget, scale_params=asdict(scale))

@@ -5,6 +5,11 @@ median well below the mean), scaled down by ``Scale`` so a 2-core CPU finishes q
 Prompts are random token ids (no tokenizer is needed); generation is greedy with EOS
 ignored, so every configuration produces exactly ``max_tokens`` useful tokens per request.
 All times are seconds from the start of a run.
+
+``multi-turn`` is closed-loop: each request is one turn of a conversation, and its prompt
+is only known once the previous turn has answered (the whole history so far, the model's
+replies included, plus the new message). Its ``BenchRequest.prompt_ids`` hold a turn's
+new tokens only; the runner builds the full prompt (``runners/multi_turn.py``).
 """
 from __future__ import annotations
 
@@ -13,18 +18,24 @@ from typing import Optional
 
 import numpy as np
 
-SCENARIOS = ("sharegpt", "burst", "shared-prefix")
+SCENARIOS = ("sharegpt", "burst", "shared-prefix", "multi-turn")
 FIRST_TOKEN_ID = 3  # ids 0-2 are pad/bos/eos in the random models; keep prompts clear of them
 
 
 @dataclass(frozen=True, slots=True)
 class BenchRequest:
-    """One request: prompt token ids, its own output length, its arrival time (s)."""
+    """One request: prompt token ids, its own output length, its arrival time (s).
+
+    In a multi-turn workload: ``conversation`` and ``turn`` (0-based) place it, and
+    ``prompt_ids`` are the tokens the turn adds to the history.
+    """
 
     request_id: str
     prompt_ids: tuple[int, ...]
     max_tokens: int
     arrival_s: float = 0.0
+    conversation: str = ""
+    turn: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,14 +45,27 @@ class Workload:
     name: str
     requests: tuple[BenchRequest, ...]
     description: str = ""
+    closed_loop: bool = False  # multi-turn: a turn is sent when the previous one has answered
+    max_active: int = 0  # closed loop: conversations with a turn in flight at once
+    kv_budget_tokens: Optional[int] = None  # the pool this scenario is sized for (tokens)
 
     @property
     def max_len(self) -> int:
         """Longest prompt + longest output, in tokens: what a static cache reserves per sequence.
 
-        (A left-padded batch may pair the longest prompt with the longest output.)
+        (A left-padded batch may pair the longest prompt with the longest output; a
+        conversation's last turn holds its whole history.)
         """
+        if self.closed_loop:
+            return max(self.history_lengths().values())
         return max(len(r.prompt_ids) for r in self.requests) + max(r.max_tokens for r in self.requests)
+
+    def history_lengths(self) -> dict[str, int]:
+        """Closed loop: each conversation's tokens after its last turn (messages and replies)."""
+        totals: dict[str, int] = {}
+        for r in self.requests:
+            totals[r.conversation] = totals.get(r.conversation, 0) + len(r.prompt_ids) + r.max_tokens
+        return totals
 
     @property
     def num_useful_tokens(self) -> int:
@@ -70,23 +94,32 @@ class Scale:
     burst_gap_s: float = 0.3
     system_prompt_len: int = 256
     question_median: int = 16
+    conversations: int = 16
+    turns: int = 8
+    context_len: int = 768
+    user_len: int = 16
+    reply_len: int = 32
+    max_active: int = 3
 
 
 SCALES = {
     "tiny": Scale(num_requests=8, prompt_median=12, output_median=6, max_prompt=32, max_output=12,
                   arrival_rate=200.0, burst_decoders=4, burst_long_prompts=1, burst_long_len=40, burst_gap_s=0.01,
-                  system_prompt_len=32, question_median=6),
+                  system_prompt_len=32, question_median=6, conversations=4, turns=3, context_len=24, user_len=4,
+                  reply_len=4, max_active=1),
     # Small but busy: more requests arrive at once than A's static batch holds, so the quick
     # chart still shows A's concurrency wall against the paged configurations.
     "quick": Scale(num_requests=32, prompt_median=24, output_median=12, max_prompt=128, max_output=32,
                    arrival_rate=100.0, burst_decoders=24, burst_long_prompts=2, burst_long_len=128, burst_gap_s=0.2,
-                   system_prompt_len=128, question_median=12),
+                   system_prompt_len=128, question_median=12, conversations=8, turns=4, context_len=256,
+                   user_len=12, reply_len=16, max_active=2),
     # Enough requests, arriving fast enough, for paged batching to outgrow static's batch.
     "cpu": Scale(num_requests=64, arrival_rate=40.0, burst_decoders=32, burst_long_prompts=4),
     # Published-benchmark sizes: ShareGPT-like lengths (median prompt ~200, output ~150) and a 1k system prompt.
     "full": Scale(num_requests=400, prompt_median=200, prompt_sigma=1.0, output_median=150, output_sigma=0.8,
                   max_prompt=1536, max_output=512, arrival_rate=20.0, burst_decoders=128, burst_long_prompts=8,
-                  burst_long_len=1536, burst_gap_s=0.5, system_prompt_len=1024, question_median=48),
+                  burst_long_len=1536, burst_gap_s=0.5, system_prompt_len=1024, question_median=48,
+                  conversations=64, turns=10, context_len=2048, user_len=64, reply_len=128, max_active=16),
 }
 
 
@@ -146,6 +179,32 @@ def shared_prefix(scale: Scale, vocab: int, seed: int, rate: Optional[float] = N
     return Workload("shared-prefix", requests, f"{len(system)}-token shared system prompt + short questions")
 
 
+#: The multi-turn pool holds this share of all conversations' final histories (or, if more,
+#: 1.25x the ``max_active`` longest ones), so the working set is several times the pool.
+MULTI_TURN_POOL_SHARE = 0.25
+
+
+def multi_turn(scale: Scale, vocab: int, seed: int) -> Workload:
+    """Conversations: a distinct context (a document, an agent's state), then turns of a short
+    user message each, every turn re-sending the whole history; closed loop, round robin."""
+    rng = np.random.default_rng(seed + 3)
+    requests = []
+    for c in range(scale.conversations):
+        for t in range(scale.turns):
+            head = _prompt(rng, scale.context_len, vocab) if t == 0 else ()
+            requests.append(BenchRequest(f"c{c}t{t}", head + _prompt(rng, scale.user_len, vocab), scale.reply_len,
+                                         conversation=f"c{c}", turn=t))
+    workload = Workload("multi-turn", tuple(requests), closed_loop=True, max_active=scale.max_active)
+    histories = workload.history_lengths()
+    pool = max(int(MULTI_TURN_POOL_SHARE * sum(histories.values())), -(-5 * scale.max_active * workload.max_len // 4))
+    description = (f"{scale.conversations} conversations x {scale.turns} turns ({scale.context_len}-token context, "
+                   f"{scale.user_len}-token messages, {scale.reply_len}-token replies), each turn re-sending the "
+                   f"history; {scale.max_active} in flight; histories total {sum(histories.values())} tokens, "
+                   f"{sum(histories.values()) / pool:.1f}x the pool")
+    return Workload("multi-turn", tuple(requests), description, closed_loop=True, max_active=scale.max_active,
+                    kv_budget_tokens=pool)
+
+
 def build(name: str, scale: Scale, vocab: int, seed: int, rate: Optional[float] = None) -> Workload:
     """The workload ``name`` (one of ``SCENARIOS``); raises ``ValueError`` for unknown names."""
     if name == "sharegpt":
@@ -154,4 +213,6 @@ def build(name: str, scale: Scale, vocab: int, seed: int, rate: Optional[float] 
         return burst(scale, vocab, seed)
     if name == "shared-prefix":
         return shared_prefix(scale, vocab, seed, rate)
+    if name == "multi-turn":
+        return multi_turn(scale, vocab, seed)
     raise ValueError(f"unknown scenario {name!r}; choose from {', '.join(SCENARIOS)}")

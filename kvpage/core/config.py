@@ -5,8 +5,26 @@ misconfigured engine never starts.
 """
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
+
+from .kv_events import KVEventsConfig
+
+#: Bytes a disk-tier file takes beyond its block's KV (the safetensors header), before
+#: rounding up to the file system's 4 KiB allocation unit.
+DISK_ENTRY_OVERHEAD_BYTES = 1024
+#: Without ``kv_offloading_size``, the disk tier stages its reads through this many
+#: ``max_model_len`` sequences' worth of host blocks.
+DISK_STAGING_SEQS = 2
+#: Default size of the disk tier (GiB) when only its directory is given.
+DEFAULT_DISK_CACHE_GIB = 4.0
+
+
+def disk_entry_bytes(bytes_per_block: int) -> int:
+    """Bytes one disk-tier file takes (its size cap's unit): KV plus header, whole 4 KiB units."""
+    return -(-(bytes_per_block + DISK_ENTRY_OVERHEAD_BYTES) // 4096) * 4096
 
 
 def _require_positive_int(name: str, value: object) -> None:
@@ -22,17 +40,32 @@ class CacheConfig:
         block_size: tokens per KV block; a power of two.
         num_blocks: total KV blocks in the pool.
         enable_prefix_caching: keep full blocks in the radix prefix cache after use.
+        num_host_blocks: blocks of the host tier (0: none), where blocks evicted from the
+            pool are kept; needs prefix caching.
+        num_disk_blocks: blocks of the disk tier (0: none); needs a host tier to read through.
+        enable_kv_events: record KV events (``Scheduler.take_kv_events``).
     """
 
     block_size: int = 16
     num_blocks: int = 1024
     enable_prefix_caching: bool = True
+    num_host_blocks: int = 0
+    num_disk_blocks: int = 0
+    enable_kv_events: bool = False
 
     def __post_init__(self) -> None:
         _require_positive_int("block_size", self.block_size)
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         _require_positive_int("num_blocks", self.num_blocks)
+        for name in ("num_host_blocks", "num_disk_blocks"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+        if self.num_host_blocks and not self.enable_prefix_caching:
+            raise ValueError("the KV tiers keep prefix-cache blocks: they need enable_prefix_caching")
+        if self.num_disk_blocks and not self.num_host_blocks:
+            raise ValueError("the disk tier reads through host memory: num_disk_blocks needs num_host_blocks")
 
     @property
     def num_token_slots(self) -> int:
@@ -119,6 +152,12 @@ class EngineConfig:
             else is in the batch, and exactness against HF ``generate`` is the default.
         num_threads: compute threads for the whole engine (torch and numba share them);
             ``None`` takes the CPUs this process may run on.
+        kv_offloading_size: host memory for the host KV tier, in GiB (vLLM's flag and unit);
+            blocks evicted from the pool are kept there. ``None``: no host tier.
+        kv_disk_cache: directory of the disk KV tier, which persists across restarts.
+        kv_disk_cache_size: its size cap in GiB (default ``DEFAULT_DISK_CACHE_GIB``).
+        kv_events_config: publish KV events for routers (a ``KVEventsConfig``, or its dict
+            or JSON form, as vLLM's ``--kv-events-config``).
     """
 
     block_size: int = 16
@@ -139,9 +178,15 @@ class EngineConfig:
     enforce_eager: bool = True
     onednn_linears: bool = False
     num_threads: Optional[int] = None
+    kv_offloading_size: Optional[float] = None
+    kv_disk_cache: Optional[str] = None
+    kv_disk_cache_size: Optional[float] = None
+    kv_events_config: Any = None
 
     def __post_init__(self) -> None:
         CacheConfig(self.block_size, 1, self.enable_prefix_caching)  # validates block_size
+        self._check_tiers()
+        object.__setattr__(self, "kv_events_config", KVEventsConfig.parse(self.kv_events_config))
         for name in ("num_kv_blocks", "kv_cache_memory", "max_model_len", "num_threads"):
             if getattr(self, name) is not None:
                 _require_positive_int(name, getattr(self, name))
@@ -151,14 +196,55 @@ class EngineConfig:
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
 
+    def _check_tiers(self) -> None:
+        for name in ("kv_offloading_size", "kv_disk_cache_size"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not math.isfinite(value) or value <= 0):
+                raise ValueError(f"{name} must be a positive number of GiB, got {value!r}")
+        if self.kv_disk_cache is not None:
+            if not isinstance(self.kv_disk_cache, (str, os.PathLike)) or not str(self.kv_disk_cache):
+                raise ValueError(f"kv_disk_cache must be a directory path, got {self.kv_disk_cache!r}")
+            object.__setattr__(self, "kv_disk_cache", os.fspath(self.kv_disk_cache))
+        elif self.kv_disk_cache_size is not None:
+            raise ValueError("kv_disk_cache_size needs kv_disk_cache (the directory)")
+        if (self.kv_offloading_size or self.kv_disk_cache) and not self.enable_prefix_caching:
+            raise ValueError("kv_offloading_size and kv_disk_cache keep prefix-cache blocks: they need "
+                             "enable_prefix_caching")
+
+    def tier_blocks(self, bytes_per_block: int, max_model_len: int) -> tuple[int, int]:
+        """(host blocks, disk blocks) the tier sizes give for blocks of ``bytes_per_block`` bytes.
+
+        A disk tier without a host size stages its reads through ``DISK_STAGING_SEQS``
+        sequences of ``max_model_len`` tokens. Raises ``ValueError`` if a size holds no block.
+        """
+        host = disk = 0
+        if self.kv_offloading_size is not None:
+            host = int(self.kv_offloading_size * 2**30) // bytes_per_block
+            if host < 1:
+                raise ValueError(f"kv_offloading_size={self.kv_offloading_size} GiB holds no KV block "
+                                 f"of {bytes_per_block} bytes")
+        if self.kv_disk_cache is not None:
+            size = self.kv_disk_cache_size or DEFAULT_DISK_CACHE_GIB
+            disk = int(size * 2**30) // disk_entry_bytes(bytes_per_block)
+            if disk < 1:
+                raise ValueError(f"kv_disk_cache_size={size} GiB holds no KV block file of "
+                                 f"{disk_entry_bytes(bytes_per_block)} bytes")
+            host = host or DISK_STAGING_SEQS * -(-max_model_len // self.block_size)
+        return host, disk
+
     def step_token_budget(self, max_model_len: int) -> int:
         """Tokens per step: without chunked prefill a whole prompt must fit one step."""
         if self.enable_chunked_prefill:
             return self.max_num_batched_tokens
         return max(self.max_num_batched_tokens, max_model_len)
 
-    def cache_config(self, num_blocks: int) -> CacheConfig:
-        return CacheConfig(self.block_size, num_blocks, self.enable_prefix_caching)
+    def cache_config(self, num_blocks: int, bytes_per_block: Optional[int] = None,
+                     max_model_len: int = 2048) -> CacheConfig:
+        """The pool of ``num_blocks`` blocks; with ``bytes_per_block``, the tiers too."""
+        host, disk = self.tier_blocks(bytes_per_block, max_model_len) if bytes_per_block else (0, 0)
+        events = self.kv_events_config is not None and self.kv_events_config.enable_kv_cache_events
+        return CacheConfig(self.block_size, num_blocks, self.enable_prefix_caching, host, disk, events)
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         return SchedulerConfig(self.max_num_seqs, self.step_token_budget(max_model_len), max_model_len,

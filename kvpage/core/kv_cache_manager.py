@@ -11,11 +11,16 @@ applies.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from .block_pool import BlockPool
 from .radix_cache import PrefixMatch, RadixCache
 from .request import Request
+
+if TYPE_CHECKING:
+    from .kv_offload import KVOffloadManager
+
+_NO_HIT = PrefixMatch((), 0)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -23,12 +28,16 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    """Owns the mapping request -> blocks over one ``BlockPool`` and optional ``RadixCache``."""
+    """Owns the mapping request -> blocks over one ``BlockPool`` and optional ``RadixCache``
+    (with an optional ``KVOffloadManager`` for the lower tiers under it)."""
 
-    def __init__(self, pool: BlockPool, prefix_cache: Optional[RadixCache] = None) -> None:
+    def __init__(self, pool: BlockPool, prefix_cache: Optional[RadixCache] = None,
+                 offload: Optional["KVOffloadManager"] = None) -> None:
         self.pool = pool
         self.prefix_cache = prefix_cache
+        self.offload = offload
         self.block_size = pool.block_size
+        self.num_pool_hit_tokens = 0  # tokens served by pool blocks, over every admission
 
     # ------------------------------------------------------------------ admission
     def match_prefix(self, request: Request) -> PrefixMatch:
@@ -37,18 +46,25 @@ class KVCacheManager:
         Does not lock the blocks: pass the match to ``allocate_slots`` in the same step.
         """
         if self.prefix_cache is None:
-            return PrefixMatch((), 0)
+            return _NO_HIT
         # The last token must run through the model to produce logits, so a prompt whose
         # every block is cached gives back its last block.
         max_blocks = (request.num_tokens - 1) // self.block_size
-        return self.prefix_cache.match_prefix(
+        pool = self.prefix_cache.match_prefix(
             request.all_token_ids, request.namespace, max_blocks=max_blocks, record=False
         )
+        if self.offload is None or len(pool.block_ids) >= max_blocks:
+            return pool
+        # Past the tree the chain continues in the lower tiers, looked up by block hash.
+        hashes = request.full_block_hashes(max_blocks, self.block_size)[len(pool.block_ids):]
+        lower = self.offload.lookup(hashes)
+        return PrefixMatch(pool.block_ids, pool.num_tokens + len(lower.ready) * self.block_size,
+                           lower.ready, lower.fetch, lower.pending)
 
-    def num_blocks_needed(self, request: Request, num_new_tokens: int, num_hit_blocks: int = 0) -> int:
+    def num_blocks_needed(self, request: Request, num_new_tokens: int, hit: Optional[PrefixMatch] = None) -> int:
         """Fresh blocks ``allocate_slots`` would take (including a copy-on-write copy)."""
-        held = max(len(request.block_ids), num_hit_blocks)
-        computed = max(request.num_computed_tokens, num_hit_blocks * self.block_size)
+        held = max(len(request.block_ids), len(hit.block_ids) if hit else 0)
+        computed = max(request.num_computed_tokens, hit.num_tokens if hit else 0)
         needed = cdiv(computed + num_new_tokens, self.block_size) - held
         return max(needed, 0) + int(self._needs_copy(request, num_new_tokens))
 
@@ -56,7 +72,9 @@ class KVCacheManager:
         """Reserve KV slots for ``num_new_tokens`` more tokens of ``request``.
 
         With ``hit`` (only for a request holding no blocks) the cached blocks are locked
-        first and the request's computed tokens jump to the end of the hit.
+        first and the request's computed tokens jump to the end of the hit; the hit's host
+        blocks get fresh pool blocks, loaded before the step's forward (and cached with the
+        step's other full blocks by ``cache_scheduled_blocks``).
         Returns False, changing nothing, when the pool cannot supply the blocks.
         """
         if num_new_tokens == 1 and hit is None:
@@ -67,19 +85,13 @@ class KVCacheManager:
                 if self.pool.ref_count(block) == 1:
                     self.pool.raise_fill(block, offset + 1)
                     return True
-        if hit is not None and hit.block_ids:
+        if hit is not None and hit.num_tokens:
             if request.block_ids:
                 raise ValueError(
                     f"request {request.request_id!r} already holds blocks; a prefix hit applies only at admission"
                 )
-            # Locking an idle cached block takes it out of the free count just like a fresh one.
-            idle_hits = sum(1 for b in hit.block_ids if self.pool.ref_count(b) == 0)
-            if self.num_blocks_needed(request, num_new_tokens, len(hit.block_ids)) + idle_hits > self.pool.num_free_blocks:
+            if not self._take_hit(request, num_new_tokens, hit):
                 return False
-            self.pool.incref(hit.block_ids)  # lock before any allocation can evict them
-            request.block_ids.extend(hit.block_ids)
-            request.num_computed_tokens = request.num_cached_tokens = hit.num_tokens
-            request.num_inserted_blocks = len(hit.block_ids)
         start = request.num_computed_tokens
         end = start + num_new_tokens
         missing = cdiv(end, self.block_size) - len(request.block_ids)
@@ -91,7 +103,26 @@ class KVCacheManager:
                 self._copy_on_write(request)
             if missing > 0:
                 request.block_ids.extend(self.pool.allocate(missing))
+        if hit is not None and hit.load_hashes:
+            first = len(hit.block_ids)
+            self.offload.plan_loads(hit.load_hashes, request.block_ids[first : first + len(hit.load_hashes)])
+            start = first * self.block_size  # the loaded blocks are full too
         self._update_fill(request, start, end)
+        return True
+
+    def _take_hit(self, request: Request, num_new_tokens: int, hit: PrefixMatch) -> bool:
+        """Lock the hit's pool blocks and its host entries, or change nothing and return False."""
+        # Locking an idle cached block takes it out of the free count just like a fresh one.
+        idle_hits = sum(1 for b in hit.block_ids if self.pool.ref_count(b) == 0)
+        if self.num_blocks_needed(request, num_new_tokens, hit) + idle_hits > self.pool.num_free_blocks:
+            return False
+        if hit.load_hashes:
+            self.offload.pin_for_load(hit.load_hashes)  # before an allocation's evictions reach the host tier
+        self.pool.incref(hit.block_ids)  # lock before any allocation can evict them
+        request.block_ids.extend(hit.block_ids)
+        request.num_computed_tokens = request.num_cached_tokens = hit.num_tokens
+        request.num_inserted_blocks = len(hit.block_ids)
+        self.num_pool_hit_tokens += len(hit.block_ids) * self.block_size
         return True
 
     def _needs_copy(self, request: Request, num_new_tokens: int) -> bool:
@@ -150,6 +181,17 @@ class KVCacheManager:
         )
         request.num_inserted_blocks = num_full
         return request.block_ids[start : start + added]
+
+    def plan_disk_saves(self, block_ids: Sequence[int]) -> list:
+        """Disk ops saving those of ``block_ids`` (head first) that are still cached and not
+        on disk yet (``KVOffloadManager.plan_saves``); call after their step succeeded."""
+        blocks = []
+        for block_id in block_ids:
+            cached = self.prefix_cache.cached_block(block_id)
+            if cached is not None:
+                block_hash, parent, token_ids = cached
+                blocks.append((block_hash, block_id, parent, token_ids))
+        return self.offload.plan_saves(blocks)
 
     # ------------------------------------------------------------------ release
     def free(self, request: Request) -> None:

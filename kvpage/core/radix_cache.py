@@ -13,43 +13,76 @@ Contract with users of ``match_prefix``:
 
 Eviction is LRU over idle leaves: a min-heap of (last access, node) with lazy
 invalidation, so one eviction costs O(log n) rather than a rescan of all leaves.
+
+The tree holds the pool tier only. Each node knows its block hash (``block_hash``, computed
+on first use from its parent's), the key under which the lower tiers keep its KV once it is
+evicted: with an offload manager, ``evict`` hands every victim to it
+(``KVOffloadManager.on_pool_evict``) before the block is reused. With an event log, every
+block entering or leaving the tree is an event (medium ``"GPU"``).
 """
 from __future__ import annotations
 
 import heapq
 import itertools
 from dataclasses import dataclass
-from typing import Hashable, Optional, Sequence
+from typing import TYPE_CHECKING, Hashable, Optional, Sequence
 
+from .block_hash import BlockHash, chain_hashes, namespace_root
 from .block_pool import BlockPool
+from .kv_events import MEDIUM_POOL, KVEventLog
+
+if TYPE_CHECKING:
+    from .kv_offload import KVOffloadManager
 
 BlockKey = tuple  # the block_size token ids of one full block
 
 
 class _Node:
-    __slots__ = ("key", "block_id", "parent", "children", "last_access")
+    __slots__ = ("key", "block_id", "parent", "children", "last_access", "block_hash")
 
-    def __init__(self, key: Optional[BlockKey], block_id: Optional[int], parent: Optional["_Node"]) -> None:
+    def __init__(self, key: Optional[BlockKey], block_id: Optional[int], parent: Optional["_Node"],
+                 block_hash: Optional[BlockHash] = None) -> None:
         self.key = key
         self.block_id = block_id
         self.parent = parent
         self.children: dict[BlockKey, _Node] = {}
         self.last_access = 0
+        self.block_hash = block_hash  # a root's is its namespace's; a block's is filled in lazily
 
 
 @dataclass(frozen=True, slots=True)
 class PrefixMatch:
-    """Cached full blocks covering the first ``num_tokens`` tokens of a query."""
+    """Cached full blocks covering the first ``num_tokens`` tokens of a query.
+
+    Block regions of the match (``bs`` = block_size)::
+
+        | block_ids (in the pool) | load_hashes (host tier) | fetch / pending (disk) |
+        0                                                   num_tokens
+
+    ``num_tokens`` covers the pool blocks and ``load_hashes``: the blocks a step can use
+    now. ``fetch_hashes`` (disk-only) and ``pending_hashes`` (being read from disk) follow;
+    a request that waits for them can continue the match further (see ``Scheduler``).
+    """
 
     block_ids: tuple[int, ...]
     num_tokens: int
+    load_hashes: tuple = ()
+    fetch_hashes: tuple = ()
+    pending_hashes: tuple = ()
+
+    @property
+    def waits_for_disk(self) -> bool:
+        return bool(self.fetch_hashes or self.pending_hashes)
 
 
 class RadixCache:
     """Block-granular prefix cache over a ``BlockPool`` (it becomes the pool's evictor)."""
 
-    def __init__(self, pool: BlockPool) -> None:
+    def __init__(self, pool: BlockPool, offload: Optional["KVOffloadManager"] = None,
+                 events: Optional[KVEventLog] = None) -> None:
         self.pool = pool
+        self.offload = offload
+        self.events = events or KVEventLog()
         self.block_size = pool.block_size
         self._roots: dict[Hashable, _Node] = {}
         self._node_of_block: dict[int, _Node] = {}
@@ -138,7 +171,7 @@ class RadixCache:
         else:
             node = self._roots.get(namespace)
             if node is None:
-                node = self._roots[namespace] = _Node(None, None, None)
+                node = self._roots[namespace] = _Node(None, None, None, namespace_root(namespace))
         added = 0
         bs = self.block_size
         for index in range(start_block, len(block_ids)):
@@ -161,7 +194,48 @@ class RadixCache:
                 added += 1
             child.last_access = now
             node = child
+        if added and self.events.enabled:
+            self._log_stored(node, added)  # new nodes have no children: they end the walk
         return added
+
+    def _log_stored(self, last: _Node, count: int) -> None:
+        """One ``BlockStored`` event for the ``count`` new nodes ending at ``last``."""
+        path = []
+        while len(path) < count:
+            path.append(last)
+            last = last.parent
+        path.reverse()
+        tokens = [t for n in path for t in n.key]
+        self.events.stored([self.hash_of(n) for n in path], self._parent_hash(path[0]), tokens,
+                           self.block_size, MEDIUM_POOL)
+
+    # ------------------------------------------------------------------ hashes
+    def hash_of(self, node: _Node) -> BlockHash:
+        """The node's block hash: chained from the nearest ancestor that has one (memoized)."""
+        if node.block_hash is None:
+            path = []
+            while node.block_hash is None:
+                path.append(node)
+                node = node.parent
+            parent = node.block_hash
+            for n in reversed(path):
+                (parent,) = chain_hashes(parent, n.key, self.block_size)
+                n.block_hash = parent
+            node = path[0]
+        return node.block_hash
+
+    def _parent_hash(self, node: _Node) -> Optional[BlockHash]:
+        parent = node.parent
+        return None if parent.block_id is None else self.hash_of(parent)
+
+    def cached_block(self, block_id: int) -> Optional[tuple[BlockHash, Optional[BlockHash], BlockKey]]:
+        """(hash, parent hash or None, token ids) of a cached pool block, or None if it is not cached."""
+        node = self._node_of_block.get(block_id)
+        return None if node is None else (self.hash_of(node), self._parent_hash(node), node.key)
+
+    def cached_hashes(self) -> list[BlockHash]:
+        """The hash of every cached pool block (for checks and event reconstruction)."""
+        return [self.hash_of(n) for n in self._node_of_block.values()]
 
     # ------------------------------------------------------------------ eviction
     def on_block_idle(self, block_id: int) -> None:
@@ -187,8 +261,12 @@ class RadixCache:
         )
 
     def evict(self, num_blocks: int) -> int:
-        """Evict up to ``num_blocks`` least recently used idle leaves; return how many."""
+        """Evict up to ``num_blocks`` least recently used idle leaves; return how many.
+
+        Each victim goes to the offload manager (if any) while its KV is still intact.
+        """
         evicted = 0
+        gone: list[BlockHash] = []
         while evicted < num_blocks and self._heap:
             stamp, _, node = heapq.heappop(self._heap)
             if not self._is_idle_leaf(node):
@@ -196,12 +274,18 @@ class RadixCache:
             if stamp != node.last_access:
                 self._push(node)  # touched since it was queued: requeue at its true age
                 continue
+            if self.offload is not None or self.events.enabled:
+                block_hash = self.hash_of(node)
+                gone.append(block_hash)
+                if self.offload is not None:
+                    self.offload.on_pool_evict(block_hash, node.block_id, node.key, self._parent_hash(node))
             self._remove(node)
             evicted += 1
             parent = node.parent
             if parent.block_id is not None and self._is_idle_leaf(parent):
                 self._push(parent)
         self.num_evicted_blocks += evicted
+        self.events.removed(gone, MEDIUM_POOL)
         return evicted
 
     def discard(self, block_ids: Sequence[int]) -> int:
@@ -214,6 +298,8 @@ class RadixCache:
         for block_id in block_ids:
             node = self._node_of_block.get(block_id)
             if node is not None and self._is_idle_leaf(node):
+                if self.events.enabled:
+                    self.events.removed([self.hash_of(node)], MEDIUM_POOL)
                 self._remove(node)
                 removed += 1
                 parent = node.parent
@@ -230,6 +316,8 @@ class RadixCache:
         """Evict every idle cached block. Raises ``ValueError`` if any cached block is in use."""
         if any(self.pool.ref_count(b) for b in self._node_of_block):
             raise ValueError("cannot reset the prefix cache while cached blocks are in use")
+        if self.events.enabled:
+            self.events.removed(self.cached_hashes(), MEDIUM_POOL)
         for block_id in list(self._node_of_block):
             self.pool.release_cached(block_id)
         self._node_of_block.clear()

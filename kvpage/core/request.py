@@ -12,6 +12,7 @@ import enum
 import time
 from typing import Hashable, Optional, Sequence
 
+from .block_hash import BlockHash, chain_hashes, namespace_root
 from .sampling_params import SamplingParams
 
 
@@ -49,7 +50,8 @@ class Request:
         "arrival_order", "all_token_ids", "num_prompt_tokens", "status", "block_ids",
         "num_computed_tokens", "num_cached_tokens", "num_inserted_blocks", "num_preemptions",
         "finish_reason", "error", "first_token_time", "finish_time", "last_token_time",
-        "prefix_queried", "group_id", "sample_index", "pending_block_copies",
+        "prefix_queried", "group_id", "sample_index", "pending_block_copies", "block_hashes",
+        "kv_fetch_waited",
     )
 
     def __init__(
@@ -90,6 +92,8 @@ class Request:
         # (src, dst) copy-on-write copies made for this request since it was last scheduled;
         # the scheduler moves them into the step's metadata.
         self.pending_block_copies: list[tuple[int, int]] = []
+        self.block_hashes: list[BlockHash] = []  # of the leading full blocks, filled on demand
+        self.kv_fetch_waited = False  # it waited once for blocks read from the disk tier
 
     # Derived sizes, so callers never repeat the index arithmetic.
     @property
@@ -111,6 +115,18 @@ class Request:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.all_token_ids) - self.num_computed_tokens
+
+    def full_block_hashes(self, num_blocks: int, block_size: int) -> list[BlockHash]:
+        """Hashes of the first ``num_blocks`` full blocks (``block_hash``), computed once each.
+
+        Tokens are only ever appended, so hashes computed earlier stay valid.
+        """
+        have = len(self.block_hashes)
+        if have < num_blocks:
+            parent = self.block_hashes[-1] if have else namespace_root(self.namespace)
+            self.block_hashes += chain_hashes(parent, self.all_token_ids[have * block_size : num_blocks * block_size],
+                                              block_size)
+        return self.block_hashes[:num_blocks]
 
     @property
     def is_finished(self) -> bool:

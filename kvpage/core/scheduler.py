@@ -11,6 +11,12 @@ Policy per step (``max_num_batched_tokens`` is the token budget):
      tokens are never recomputed. Without chunked prefill a prompt runs whole or waits.
      A request asking ``prompt_logprobs`` skips the lookup until its prompt is done: a
      cached token would have no logits this time.
+  3. With lower KV tiers (``KVOffloadManager``), a hit continues past the pool: host
+     blocks are loaded before the step's forward and count as cached tokens; a hit that
+     continues on disk parks the request (``FetchWaits``) until those blocks are read
+     into host memory. The byte copies come out of the step as ``SchedulerOutput.kv_transfers``
+     and, after a successful step, ``tiers.take_saves`` (write-through to disk); see
+     ``TierScheduling``.
 
 The mechanics of blocks live in ``KVCacheManager``; this module only picks who runs.
 """
@@ -24,13 +30,19 @@ from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
+from .block_hash import BlockHash
 from .block_pool import BlockPool
 from .config import CacheConfig, SchedulerConfig
+from .fetch_waits import FetchWaits
 from .kv_cache_manager import KVCacheManager, cdiv
+from .kv_events import KVCacheEvent, KVEventLog
+from .kv_offload import KVOffloadManager
+from .kv_transfers import KVTransfers
 from .metadata import StepMetadata, build_step_metadata
 from .radix_cache import PrefixMatch, RadixCache
 from .request import FinishReason, Request, RequestStatus, sample_request_id
 from .sampling_params import SamplingParams
+from .tier_scheduling import TierScheduling
 from .waiting_queue import WaitingQueue
 
 
@@ -58,6 +70,8 @@ class SchedulerOutput:
     # valid once the step succeeds (see ``Scheduler.discard_step_cache``).
     newly_cached_blocks: list[int] = field(default_factory=list)
     forked: dict[int, list[Request]] = field(default_factory=dict)
+    # Copies between the pool and the lower tiers to run before the forward (None: none).
+    kv_transfers: Optional[KVTransfers] = None
 
     @property
     def is_empty(self) -> bool:
@@ -106,9 +120,18 @@ class Scheduler:
         self.config = scheduler_config
         self.block_size = cache_config.block_size
         self.pool = BlockPool(cache_config.num_blocks, cache_config.block_size)
-        self.prefix_cache = RadixCache(self.pool) if cache_config.enable_prefix_caching else None
-        self.kv = KVCacheManager(self.pool, self.prefix_cache)
+        self.kv_events = KVEventLog(cache_config.enable_kv_events)
+        self.offload = None
+        if cache_config.num_host_blocks:
+            self.offload = KVOffloadManager(self.block_size, cache_config.num_host_blocks,
+                                            cache_config.num_disk_blocks, self.kv_events)
+        self.prefix_cache = (RadixCache(self.pool, self.offload, self.kv_events)
+                             if cache_config.enable_prefix_caching else None)
+        self.kv = KVCacheManager(self.pool, self.prefix_cache, self.offload)
         self.waiting = WaitingQueue(scheduler_config.policy)
+        self.fetch_waits = FetchWaits()
+        # The lower tiers' side of scheduling (parking, completions, disk saves); None without tiers.
+        self.tiers = TierScheduling(self.offload, self.kv, self.waiting, self.fetch_waits) if self.offload else None
         self.running: list[Request] = []  # kept sorted by sort_key (insort), never re-sorted per step
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
@@ -125,7 +148,7 @@ class Scheduler:
         if request.sampling_params.n > self.config.max_num_seqs:
             raise ValueError(f"n={request.sampling_params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
         limit = self.config.max_waiting
-        if limit is not None and len(self.waiting) >= limit:
+        if limit is not None and self.num_waiting >= limit:
             raise QueueFullError(f"the waiting queue is full ({limit} requests); retry later")
         request.status = RequestStatus.WAITING
         request.arrival_order = next(self._arrivals)
@@ -161,10 +184,11 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        """Requests not running yet: queued, or parked while their prefix is read from disk."""
+        return len(self.waiting) + len(self.fetch_waits)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running) or len(self.waiting) > 0
+        return bool(self.running) or self.num_waiting > 0
 
     # ------------------------------------------------------------------ the step
     def schedule(self) -> SchedulerOutput:
@@ -218,6 +242,10 @@ class Scheduler:
                 break  # its parallel samples will fork into seats of their own
             uses_cache = _uses_prefix_cache(request)
             hit = self.kv.match_prefix(request) if uses_cache else _NO_HIT
+            if hit.waits_for_disk and not request.kv_fetch_waited:
+                self.waiting.pop()
+                self.tiers.park_for_disk(request, hit)
+                continue
             num_new = request.num_tokens - hit.num_tokens
             if chunked:
                 num_new = min(num_new, budget)
@@ -235,6 +263,23 @@ class Scheduler:
             self._schedule_one(plan, request, num_new)
             budget -= num_new
 
+    def reset_prefix_cache(self) -> list[BlockHash]:
+        """Empty every tier (``AllBlocksCleared``); returns the disk hashes whose files to delete.
+
+        Raises ``ValueError`` while any cached block is in use.
+        """
+        if self.prefix_cache is None:
+            return []
+        self.prefix_cache.reset()
+        dropped = self.tiers.clear() if self.tiers is not None else []
+        self.kv_events.take()  # the per-block removals are subsumed by one clear
+        self.kv_events.cleared()
+        return dropped
+
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        """KV events since the last call, in order (empty unless ``enable_kv_events``)."""
+        return self.kv_events.take()
+
     def _emit(self, plan: _StepPlan) -> SchedulerOutput:
         # Decodes (query length 1) first: attention backends split the batch there.
         plan.scheduled.sort(key=lambda item: item[1] != 1)
@@ -243,7 +288,9 @@ class Scheduler:
         copies = self.kv.take_pending_copies(requests)
         metadata = build_step_metadata(requests, counts, self.block_size, copies)
         self.num_steps += 1
-        return SchedulerOutput(requests, counts, metadata, plan.preempted, plan.newly_cached[::-1])
+        transfers = self.offload.take_step_transfers() if self.offload is not None else None
+        return SchedulerOutput(requests, counts, metadata, plan.preempted, plan.newly_cached[::-1],
+                               kv_transfers=transfers)
 
     def _schedule_one(self, plan: _StepPlan, request: Request, num_new: int) -> None:
         plan.scheduled.append((request, num_new))
@@ -340,6 +387,7 @@ class Scheduler:
             self.running.remove(request)
         elif request.status is RequestStatus.WAITING:
             self.waiting.discard(request.request_id)
+            self.fetch_waits.discard(request.request_id)
         self.kv.free(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
@@ -384,6 +432,7 @@ class Scheduler:
         child = Request(child_id, parent.prompt_token_ids, sampling_params or parent.sampling_params,
                         parent.eos_token_id, parent.namespace, parent.arrival_time, parent.group_id, sample_index)
         child.all_token_ids = list(parent.all_token_ids)
+        child.block_hashes = list(parent.block_hashes)
         child.num_prompt_tokens = parent.num_prompt_tokens
         child.arrival_order = next(self._arrivals)  # unique: sort keys never tie
         child.first_token_time = parent.first_token_time
@@ -409,7 +458,13 @@ class Scheduler:
             "num_thrash_pins": self.num_thrash_pins,
             "num_running": self.num_running,
             "num_waiting": self.num_waiting,
+            **self._tier_stats(),
         }
+
+    def _tier_stats(self) -> dict:
+        if self.tiers is None:
+            return {}
+        return {**self.tiers.stats(self.block_size), "kv_pool_evictions": self.prefix_cache.num_evicted_blocks}
 
     def check_integrity(self) -> None:
         """Assert pool, cache and request tables agree: every reference has a holder."""
@@ -417,6 +472,8 @@ class Scheduler:
             self.prefix_cache.check_integrity()
         else:
             self.pool.check_integrity()
+        if self.tiers is not None:
+            self.tiers.check_integrity()
         holders = [0] * self.pool.num_blocks
         for request in self.requests.values():
             if request.status is RequestStatus.WAITING:

@@ -14,6 +14,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvpage.outputs import RequestOutput, StreamDelta
 
+from .tier_metrics import tier_families
+
 GAUGES = {
     "kvpage:kv_cache_usage_perc": ("kv_cache_usage", "Fraction of KV blocks referenced by live requests (0-1)."),
     "kvpage:kv_cache_fragmentation_perc": ("kv_fragmentation",
@@ -43,6 +45,7 @@ class _StatsCollector:
             yield GaugeMetricFamily(name, doc, value=float(stats.get(key, 0)))
         for name, (key, doc) in COUNTERS.items():
             yield CounterMetricFamily(name, doc, value=float(stats.get(key, 0)))
+        yield from tier_families(stats)
 
 
 class ServerMetrics:

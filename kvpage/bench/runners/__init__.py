@@ -12,6 +12,7 @@ CONFIGS = {
     "C": (paged.LABELS["C"], partial(paged.run, config="C")),
     "D": (paged.LABELS["D"], partial(paged.run, config="D")),
     "E": (paged.LABELS["E"], partial(paged.run, config="E")),
+    "F": (paged.LABELS["F"], partial(paged.run, config="F")),
 }
 
 __all__ = ["CONFIGS", "Clock", "RunContext"]

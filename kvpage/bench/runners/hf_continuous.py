@@ -63,6 +63,8 @@ def _drive(ctx: RunContext, manager, result: RunResult) -> None:
 def run(ctx: RunContext) -> RunResult:
     """Run B, or return it skipped with the reason when this transformers has no usable CB."""
     model = ctx.model
+    if ctx.workload.closed_loop:
+        return RunResult.skipped("B", LABEL, "closed-loop conversations: run by the paged configurations only")
     if not hasattr(model, "continuous_batching_context_manager"):
         return RunResult.skipped("B", LABEL, "this transformers version has no continuous batching API")
     import transformers

@@ -1,47 +1,61 @@
-"""Configurations C, D, E: kvpage paged attention with continuous batching.
+"""Configurations C, D, E, F: kvpage paged attention with continuous batching.
 
 C: chunked prefill off (a prompt runs whole in one step, so the step budget must hold the
 longest prompt); D: C + chunked prefill (``token_budget`` tokens per step, decodes
-first); E: D + prefix caching. All get ``kv_budget_bytes`` as ``num_kv_blocks`` blocks.
+first); E: D + prefix caching; F: E + the tiered prefix cache, a host tier of
+``F_HOST_SHARE`` times the pool's bytes and a disk tier (a fresh temporary folder, so
+nothing carries over between runs) of ``F_DISK_SHARE`` times. All get ``kv_budget_bytes``
+as ``num_kv_blocks`` blocks.
 
 KV waste per step = the pool's fragmentation when the step is scheduled: the fraction of
 token slots in blocks referenced by live requests that hold no token (the partly filled
 last block of each sequence). Free and cached-idle blocks are not reserved by anyone.
-Requests join the engine at their arrival times.
+Requests join the engine at their arrival times; closed-loop workloads (``multi-turn``)
+are driven by ``multi_turn.drive``.
 """
 from __future__ import annotations
 
+import shutil
+import tempfile
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from ..metrics import RunResult
+from . import multi_turn
 from .common import Clock, RunContext
 
 if TYPE_CHECKING:
     from kvpage.core.config import EngineConfig
 
 LABELS = {"C": "kvpage paged, no chunked prefill", "D": "kvpage paged + chunked prefill",
-          "E": "kvpage paged + chunked + prefix cache"}
+          "E": "kvpage paged + chunked + prefix cache", "F": "E + host and disk KV tiers"}
+F_HOST_SHARE = 8
+F_DISK_SHARE = 16
 _MAX_IDLE_STEPS = 10_000
 
 
-def engine_config(ctx: RunContext, config: str) -> "EngineConfig":
-    """The engine settings of configuration ``config`` (C, D or E)."""
+def engine_config(ctx: RunContext, config: str, disk_dir: Optional[str] = None) -> "EngineConfig":
+    """The engine settings of configuration ``config`` (C, D, E, or F with its disk folder)."""
     from kvpage.core.config import EngineConfig
 
-    chunked = config in ("D", "E")
+    chunked = config in ("D", "E", "F")
     budget = ctx.token_budget if chunked else max(ctx.unchunked_token_budget, ctx.max_len)
+    tiers = {}
+    if config == "F":
+        pool_gib = ctx.num_kv_blocks * ctx.block_size * ctx.loaded.kv_bytes_per_token / 2**30
+        tiers = dict(kv_offloading_size=F_HOST_SHARE * pool_gib, kv_disk_cache=disk_dir,
+                     kv_disk_cache_size=F_DISK_SHARE * pool_gib)
     return EngineConfig(num_kv_blocks=ctx.num_kv_blocks, block_size=ctx.block_size, max_num_seqs=ctx.max_num_seqs,
                         max_num_batched_tokens=budget, enable_chunked_prefill=chunked,
-                        enable_prefix_caching=config == "E", max_model_len=ctx.max_len, seed=ctx.seed,
-                        onednn_linears=True)
+                        enable_prefix_caching=config in ("E", "F"), max_model_len=ctx.max_len, seed=ctx.seed,
+                        onednn_linears=True, **tiers)
 
 
-def build_llm(ctx: RunContext, config: str):
-    """An ``LLM`` over ``ctx.model`` for configuration ``config`` (C, D or E)."""
+def build_llm(ctx: RunContext, config: str, disk_dir: Optional[str] = None):
+    """An ``LLM`` over ``ctx.model`` for configuration ``config`` (C, D, E or F)."""
     from kvpage.llm import LLM
 
-    return LLM(ctx.model, config=engine_config(ctx, config))
+    return LLM(ctx.model, config=engine_config(ctx, config, disk_dir))
 
 
 def _warm_up(llm, vocab: int) -> None:
@@ -98,7 +112,8 @@ def _drive(ctx: RunContext, llm, result: RunResult, desc: str) -> None:
 def run(ctx: RunContext, config: str, replay: bool = False) -> RunResult:
     """Run configuration ``config``. With ``replay``, also time the run's recorded steps through
     the bare model (``extra["bare_forward_s"]``, see ``replay_forward_s``)."""
-    llm = build_llm(ctx, config)
+    disk_dir = tempfile.mkdtemp(prefix="kvpage-bench-kv-") if config == "F" else None
+    llm = build_llm(ctx, config, disk_dir)
     try:
         _warm_up(llm, ctx.loaded.vocab_size)
         engine = llm.engine
@@ -109,7 +124,8 @@ def run(ctx: RunContext, config: str, replay: bool = False) -> RunResult:
         steps = _Steps()
         if replay:
             _record_metadata(engine.runner, steps)
-        _drive(ctx, llm, result, f"{config} {LABELS[config]}")
+        drive = multi_turn.drive if ctx.workload.closed_loop else _drive
+        drive(ctx, llm, result, f"{config} {LABELS[config]}")
         after = engine.stats()
         if replay:
             del engine.runner.execute  # drop the recording wrapper: replay runs the plain method
@@ -117,11 +133,18 @@ def run(ctx: RunContext, config: str, replay: bool = False) -> RunResult:
             result.extra["bare_forward_s"] = min(replay_forward_s(llm, steps) for _ in range(2))
             result.extra["forward_in_run_s"] = steps.forward_s
     finally:
+        llm.engine.close()
         llm.restore()
+        if disk_dir is not None:
+            shutil.rmtree(disk_dir, ignore_errors=True)
     result.num_preemptions = after["num_preemptions"] - before["num_preemptions"]
     result.prefix_queried_tokens = after["prefix_cache_queries"] - before["prefix_cache_queries"]
     result.prefix_hit_tokens = after["prefix_cache_hits"] - before["prefix_cache_hits"]
     result.extra.update(num_kv_blocks=after["num_blocks"], num_steps=after["num_steps"])
+    if config == "F":
+        result.extra.update({key: after[key] - before.get(key, 0) for key in (
+            "kv_pool_hit_tokens", "kv_host_hit_tokens", "kv_disk_hit_tokens", "kv_host_evictions",
+            "kv_disk_written_bytes")})
     return result
 
 

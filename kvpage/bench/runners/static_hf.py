@@ -93,6 +93,8 @@ def run(ctx: RunContext, cache_impl: str = "static") -> RunResult:
     """Run A. ``cache_impl="dynamic"`` uses HF's default growing cache instead (same batching)."""
     import torch
 
+    if ctx.workload.closed_loop:
+        return RunResult.skipped("A", LABEL, "closed-loop conversations: run by the paged configurations only")
     size = batch_size(ctx)
     if size < 1:
         return RunResult.skipped("A", LABEL, f"the KV budget holds no sequence of {ctx.max_len} tokens")

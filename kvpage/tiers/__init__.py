@@ -1,0 +1,56 @@
+"""The lower KV tiers' bytes: host memory and the persistent disk cache (runner side).
+
+The core (``kvpage.core.kv_offload``) decides what moves; this package owns the memory and
+files and moves the bytes when the engine hands it a step's plan:
+
+    host_buffers.py   the host tier's tensors, and the copies to and from the pool's buffers
+    disk_store.py     one safetensors file per block, atomic writes, checksummed reads
+    fingerprint.py    the model/dtype/block-size fingerprint that keys the disk folder
+    agent.py          ``KVTierAgent``: runs each step's copies; disk I/O on two threads
+    histogram.py      transfer latency histograms for ``stats()`` and ``/metrics``
+
+``attach_kv_tiers`` wires it into an engine whose scheduler has tiers (imports torch).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from kvpage.core.config import EngineConfig
+from kvpage.kv_storage import KVCacheSpec, PagedKVCache
+
+log = logging.getLogger("kvpage")
+
+
+def attach_kv_tiers(engine: Any, config: EngineConfig, spec: KVCacheSpec, kv_cache: PagedKVCache,
+                    model: Any) -> None:
+    """Give ``engine`` a ``KVTierAgent`` for its scheduler's tiers (a no-op without tiers).
+
+    Opens the disk folder (a folder that cannot be written makes a read-only tier, one that
+    cannot be read an empty one, each with a warning), indexes the blocks it holds and
+    deletes those past the size cap.
+    """
+    from .agent import KVTierAgent
+    from .disk_store import DiskKVStore
+    from .fingerprint import model_fingerprint
+
+    offload = engine.scheduler.offload
+    if offload is None:
+        return
+    disk, writable = None, False
+    if offload.disk is not None and config.kv_disk_cache:
+        block_shape = (spec.num_layers, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        disk = DiskKVStore(config.kv_disk_cache, model_fingerprint(model, spec), block_shape,
+                           kv_cache.torch_key_cache(0).dtype)
+        writable, problem = disk.open()
+        found = disk.scan(remove_leftovers=writable)
+        for op in engine.scheduler.tiers.restore_disk(found, writable):
+            if writable:
+                disk.remove(op.block_hash)
+    engine.kv_tiers = KVTierAgent(kv_cache, offload.host.num_slots, disk, writable)
+    if disk is not None and problem:
+        engine.kv_tiers.note_unwritable(problem)
+    log.info("KV tiers: host %d blocks (%.1f MiB)%s", offload.host.num_slots,
+             offload.host.num_slots * spec.bytes_per_block / 2**20,
+             "" if disk is None else f", disk {offload.disk.num_slots} blocks at {disk.dir} "
+             f"({len(offload.disk)} restored{'' if writable else ', read-only'})")
