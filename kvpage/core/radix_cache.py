@@ -21,6 +21,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Hashable, Optional, Sequence
 
+from .block_hashes import ROOT_HASH, next_block_hash
 from .block_pool import BlockPool
 
 BlockKey = tuple  # the block_size token ids of one full block
@@ -69,6 +70,29 @@ class RadixCache:
     @property
     def hit_rate(self) -> float:
         return 0.0 if self.num_queried_tokens == 0 else self.num_hit_tokens / self.num_queried_tokens
+
+    def block_hashes(self, namespace: Hashable = None, max_blocks: Optional[int] = None) -> list[int]:
+        """Chained hashes (``block_hashes.prefix_block_hashes``) of every cached block of ``namespace``.
+
+        A compact, picklable summary of what this cache holds, for a router in another
+        process. With ``max_blocks`` only the most recently used blocks are listed; since a
+        match touches the whole path, a listed block's ancestors are as recent or more, so
+        the summary still answers prefix queries. O(cached blocks).
+        """
+        root = self._roots.get(namespace)
+        if root is None:
+            return []
+        found: list[tuple[int, int]] = []  # (last access, hash)
+        stack = [(root, ROOT_HASH)]
+        while stack:
+            node, node_hash = stack.pop()
+            for key, child in node.children.items():
+                child_hash = next_block_hash(node_hash, key)
+                found.append((child.last_access, child_hash))
+                stack.append((child, child_hash))
+        if max_blocks is not None and len(found) > max_blocks:
+            found = heapq.nlargest(max_blocks, found)
+        return [h for _, h in found]
 
     def _block_keys(self, tokens: Sequence[int], num_blocks: int) -> list[BlockKey]:
         bs = self.block_size

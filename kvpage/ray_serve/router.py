@@ -1,0 +1,126 @@
+"""``PrefixAwareRequestRouter``: a Ray Serve ``RequestRouter`` over the replicas' real cache state.
+
+Each ``KVPageReplica`` reports, through Serve's ``record_routing_stats`` hook (polled every
+``request_routing_stats_period_s``), the chained block hashes its radix cache holds. The
+ingress computes the same hashes for the request's prompt and passes them as the
+``prefix_hashes`` keyword (with ``num_prompt_tokens``), which this router reads from the
+``PendingRequest``; ``prefix_policy.rank_replicas`` then ranks the replicas.
+
+A report lags by up to one period, so a burst of requests of a new prefix would all look
+like misses and scatter. The router therefore also counts, as cached on a replica, the
+prompt blocks of requests it sent there in the last ``speculative_ttl_s`` seconds (they
+are being prefilled there). A replica's load is the number of requests this router has in
+flight on it (routed and not completed).
+
+Keyword arguments (``request_router_kwargs``): ``imbalance_threshold``, ``min_match_blocks``
+(see ``prefix_policy``), ``speculative_ttl_s``.
+"""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from typing import Any, List, Optional
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from .prefix_policy import (DEFAULT_IMBALANCE_THRESHOLD, DEFAULT_MIN_MATCH_BLOCKS, ReplicaView, matched_blocks,
+                            rank_replicas)
+from .router_metrics import ROUTER_METRICS
+from .routing_key import RoutingKey
+
+_MAX_REMEMBERED_DECISIONS = 100_000
+
+
+class _CachedView:
+    """Reported hashes plus unexpired speculative ones; supports ``in``."""
+
+    __slots__ = ("reported", "speculative", "now")
+
+    def __init__(self, reported: frozenset, speculative: dict, now: float) -> None:
+        self.reported, self.speculative, self.now = reported, speculative, now
+
+    def __contains__(self, block_hash: object) -> bool:
+        return block_hash in self.reported or self.speculative.get(block_hash, 0.0) > self.now
+
+
+class PrefixAwareRequestRouter(RequestRouter):
+    """Longest cached prefix first, least loaded when loads are imbalanced (see ``prefix_policy``)."""
+
+    def initialize_state(self, imbalance_threshold: int = DEFAULT_IMBALANCE_THRESHOLD,
+                         min_match_blocks: int = DEFAULT_MIN_MATCH_BLOCKS, speculative_ttl_s: float = 10.0,
+                         **_: Any) -> None:
+        self._imbalance_threshold = int(imbalance_threshold)
+        self._min_match_blocks = int(min_match_blocks)
+        self._speculative_ttl_s = float(speculative_ttl_s)
+        # replica id -> (the reported list object, its hashes as a set): rebuilt once per report
+        self._reported: dict[ReplicaID, tuple[int, frozenset]] = {}
+        self._speculative: dict[ReplicaID, dict[int, float]] = defaultdict(dict)  # hash -> expiry
+        self._in_flight: dict[ReplicaID, int] = defaultdict(int)
+        self._rules: dict[str, str] = {}  # internal request id -> rule that ranked it
+
+    # ------------------------------------------------------------------ state
+    def _reported_hashes(self, replica: RunningReplica) -> frozenset:
+        hashes = (replica.routing_stats or {}).get("block_hashes") or ()
+        cached = self._reported.get(replica.replica_id)
+        if cached is None or cached[0] != id(hashes):
+            cached = self._reported[replica.replica_id] = (id(hashes), frozenset(hashes))
+        return cached[1]
+
+    def _view(self, replica: RunningReplica, now: float) -> ReplicaView:
+        reported = self._reported_hashes(replica)
+        speculative = self._speculative[replica.replica_id]
+        return ReplicaView(replica.replica_id, _CachedView(reported, speculative, now),
+                           len(reported) + len(speculative), self._in_flight[replica.replica_id])
+
+    def update_replicas(self, replicas: List[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        live = {r.replica_id for r in replicas}
+        for table in (self._reported, self._speculative, self._in_flight):
+            for replica_id in [k for k in table if k not in live]:
+                del table[replica_id]
+        ROUTER_METRICS.set_replica_texts({r.replica_id.unique_id: (r.routing_stats or {}).get("metrics_text", "")
+                                          for r in replicas})
+
+    # ------------------------------------------------------------------ routing
+    @staticmethod
+    def _prompt_key(pending_request: Optional[PendingRequest]) -> RoutingKey:
+        key = (pending_request.kwargs or {}).get("routing_key") if pending_request is not None else None
+        return key if isinstance(key, RoutingKey) else RoutingKey.empty()
+
+    async def choose_replicas(self, candidate_replicas: List[RunningReplica],
+                              pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        hashes = self._prompt_key(pending_request).block_hashes
+        now = time.monotonic()
+        decision = rank_replicas(hashes, [self._view(r, now) for r in candidate_replicas],
+                                 self._imbalance_threshold, self._min_match_blocks)
+        if pending_request is not None:
+            if len(self._rules) > _MAX_REMEMBERED_DECISIONS:
+                self._rules.clear()
+            self._rules[pending_request.metadata.internal_request_id] = decision.rule if hashes else "unkeyed"
+        by_id = {r.replica_id: r for r in candidate_replicas}
+        return [[by_id[replica_id]] for replica_id in decision.ranking]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        self._in_flight[replica_id] += 1
+        key = self._prompt_key(pending_request)
+        hashes = key.block_hashes
+        rule = self._rules.pop(pending_request.metadata.internal_request_id, "unkeyed")
+        now = time.monotonic()
+        replica = self.curr_replicas.get(replica_id)
+        hit_tokens = 0
+        if replica is not None and hashes:  # before this request's own blocks count as speculative
+            hit_tokens = matched_blocks(hashes, self._view(replica, now).cached) * key.block_size
+        ROUTER_METRICS.observe(rule, key.num_prompt_tokens, min(hit_tokens, key.num_prompt_tokens))
+        speculative = self._speculative[replica_id]
+        expiry = now + self._speculative_ttl_s
+        for block_hash in hashes:
+            speculative[block_hash] = expiry
+        if len(speculative) > 4 * len(hashes) + 1024:  # drop expired entries now and then, not per request
+            for block_hash in [h for h, t in speculative.items() if t <= now]:
+                del speculative[block_hash]
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        if self._in_flight.get(replica_id, 0) > 0:
+            self._in_flight[replica_id] -= 1
