@@ -13,8 +13,9 @@ a live replica, up to ``max_attempts`` times; after that the client gets 503
 ``replica_unavailable``. A stream whose replica dies after it started ends with an in-band
 503 error event and ``[DONE]``. Every wait on a replica is bounded by ``replica_timeout_s``
 (then 504).
+
+No ``from __future__ import annotations`` here: FastAPI must see the real ``Request`` type.
 """
-from __future__ import annotations
 
 import asyncio
 import json
@@ -30,7 +31,6 @@ from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 from kvpage.server.errors import error_body, error_response
 
 from .asgi_bridge import HttpHead, HttpRequest
-from .router_metrics import ROUTER_METRICS
 from .routing_key import RoutingKey, routing_key
 
 log = logging.getLogger("kvpage.ray_serve")
@@ -42,6 +42,30 @@ _METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]
 
 class _ReplicaFailed(Exception):
     """The replica died or stopped answering before the response was committed."""
+
+
+# Serve pickles the ingress class by value when it is deployed, with copies of the module
+# globals that exist at that point: helpers stand above the class, and process-wide state
+# (the router's metrics) is imported where it is used.
+def _sse_error(message: str) -> bytes:
+    return (f"data: {json.dumps(error_body(503, message, code='replica_unavailable'))}\n\n"
+            "data: [DONE]\n\n").encode()
+
+
+async def _next_or_none(stream: Any) -> Optional[bytes]:
+    try:
+        return await stream.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+async def _bounded(stream: Any, timeout_s: float) -> AsyncIterator[bytes]:
+    """The stream's remaining chunks, each awaited at most ``timeout_s``."""
+    while True:
+        chunk = await asyncio.wait_for(_next_or_none(stream), timeout_s)
+        if chunk is None:
+            return
+        yield chunk
 
 
 @serve.ingress(ingress_api)
@@ -58,7 +82,9 @@ class KVPageIngress:
 
     @ingress_api.get("/metrics")
     async def metrics(self) -> Response:
-        return Response(generate_latest(ROUTER_METRICS.registry), media_type=CONTENT_TYPE_LATEST)
+        from kvpage.ray_serve import router_metrics  # at call time: the module's object, not a pickled copy
+
+        return Response(generate_latest(router_metrics.ROUTER_METRICS.registry), media_type=CONTENT_TYPE_LATEST)
 
     @ingress_api.api_route("/{path:path}", methods=_METHODS)
     async def forward(self, request: Request, path: str) -> Response:
@@ -135,24 +161,3 @@ class KVPageIngress:
             yield _sse_error(f"the replica serving this stream failed ({type(exc).__name__})")
         finally:
             stream.cancel()  # a client that went away: the replica aborts the request
-
-
-def _sse_error(message: str) -> bytes:
-    return (f"data: {json.dumps(error_body(503, message, code='replica_unavailable'))}\n\n"
-            "data: [DONE]\n\n").encode()
-
-
-async def _next_or_none(stream: Any) -> Optional[bytes]:
-    try:
-        return await stream.__anext__()
-    except StopAsyncIteration:
-        return None
-
-
-async def _bounded(stream: Any, timeout_s: float) -> AsyncIterator[bytes]:
-    """The stream's remaining chunks, each awaited at most ``timeout_s``."""
-    while True:
-        chunk = await asyncio.wait_for(_next_or_none(stream), timeout_s)
-        if chunk is None:
-            return
-        yield chunk

@@ -25,10 +25,17 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from .prefix_policy import (DEFAULT_IMBALANCE_THRESHOLD, DEFAULT_MIN_MATCH_BLOCKS, ReplicaView, matched_blocks,
                             rank_replicas)
-from .router_metrics import ROUTER_METRICS
 from .routing_key import RoutingKey
 
 _MAX_REMEMBERED_DECISIONS = 100_000
+
+
+def _shared_metrics():
+    """The process's one ``RouterMetrics``, looked up when used: Serve may ship this class by value
+    with copies of its module's globals, and the ingress must read the object the router writes."""
+    from kvpage.ray_serve import router_metrics
+
+    return router_metrics.ROUTER_METRICS
 
 
 class _CachedView:
@@ -78,7 +85,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         for table in (self._reported, self._speculative, self._in_flight):
             for replica_id in [k for k in table if k not in live]:
                 del table[replica_id]
-        ROUTER_METRICS.set_replica_texts({r.replica_id.unique_id: (r.routing_stats or {}).get("metrics_text", "")
+        _shared_metrics().set_replica_texts({r.replica_id.unique_id: (r.routing_stats or {}).get("metrics_text", "")
                                           for r in replicas})
 
     # ------------------------------------------------------------------ routing
@@ -112,7 +119,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         hit_tokens = 0
         if replica is not None and hashes:  # before this request's own blocks count as speculative
             hit_tokens = matched_blocks(hashes, self._view(replica, now).cached) * key.block_size
-        ROUTER_METRICS.observe(rule, key.num_prompt_tokens, min(hit_tokens, key.num_prompt_tokens))
+        _shared_metrics().observe(rule, key.num_prompt_tokens, min(hit_tokens, key.num_prompt_tokens))
         speculative = self._speculative[replica_id]
         expiry = now + self._speculative_ttl_s
         for block_hash in hashes:
