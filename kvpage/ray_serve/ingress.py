@@ -47,6 +47,12 @@ class _ReplicaFailed(Exception):
 # Serve pickles the ingress class by value when it is deployed, with copies of the module
 # globals that exist at that point: helpers stand above the class, and process-wide state
 # (the router's metrics) is imported where it is used.
+def _metrics():
+    from kvpage.ray_serve import router_metrics  # at call time: the module's object, not a pickled copy
+
+    return router_metrics.ROUTER_METRICS
+
+
 def _sse_error(message: str) -> bytes:
     return (f"data: {json.dumps(error_body(503, message, code='replica_unavailable'))}\n\n"
             "data: [DONE]\n\n").encode()
@@ -82,9 +88,7 @@ class KVPageIngress:
 
     @ingress_api.get("/metrics")
     async def metrics(self) -> Response:
-        from kvpage.ray_serve import router_metrics  # at call time: the module's object, not a pickled copy
-
-        return Response(generate_latest(router_metrics.ROUTER_METRICS.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(_metrics().registry), media_type=CONTENT_TYPE_LATEST)
 
     @ingress_api.api_route("/{path:path}", methods=_METHODS)
     async def forward(self, request: Request, path: str) -> Response:
@@ -100,6 +104,7 @@ class KVPageIngress:
                 return await self._send(forwarded, key)
             except _ReplicaFailed as exc:
                 failure = exc.__cause__ or exc
+                _metrics().replica_failures.labels("retried" if attempt + 1 < self._max_attempts else "gave_up").inc()
                 log.warning("replica failed before responding (attempt %d of %d): %s", attempt + 1,
                             self._max_attempts, failure)
             except asyncio.TimeoutError:
@@ -158,6 +163,7 @@ class KVPageIngress:
                 yield chunk
         except (*_REPLICA_GONE, asyncio.TimeoutError) as exc:
             log.warning("replica failed mid-stream: %s", exc)
+            _metrics().replica_failures.labels("in_stream").inc()
             yield _sse_error(f"the replica serving this stream failed ({type(exc).__name__})")
         finally:
             stream.cancel()  # a client that went away: the replica aborts the request

@@ -9,6 +9,9 @@ prometheus_client's metrics are thread-safe and the per-replica texts are replac
 - ``kvpage:router_prompt_tokens`` / ``kvpage:router_estimated_hit_tokens``: prompt tokens
   routed, and how many of them the chosen replica was believed to cache.
 - ``kvpage:router_prefix_hit_rate_estimate``: their ratio (0 before any request).
+- ``kvpage:ingress_replica_failures{outcome}``: requests whose replica died under them, by
+  what the ingress did: ``retried`` (nothing had reached the client), ``gave_up`` (503 after
+  the last attempt), ``in_stream`` (an in-band error ended a started stream).
 - every replica's own metrics (``kvpage serve``'s), as last reported, with a ``replica`` label.
 """
 from __future__ import annotations
@@ -60,6 +63,9 @@ class RouterMetrics:
         self.hit_tokens = Counter("kvpage:router_estimated_hit_tokens",
                                   "Prompt tokens believed cached on the replica each request was sent to.",
                                   registry=self.registry)
+        self.replica_failures = Counter("kvpage:ingress_replica_failures",
+                                        "Requests whose replica died under them, by what the ingress did.",
+                                        ["outcome"], registry=self.registry)
         self.registry.register(_HitRateCollector(self))
         self.registry.register(_ReplicaCollector(self))
         self._lock = threading.Lock()
