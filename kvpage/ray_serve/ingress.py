@@ -85,6 +85,7 @@ class KVPageIngress:
         self._max_attempts = max(1, max_attempts)
         self._replica_timeout_s = replica_timeout_s
         self._key_params: Optional[dict] = None
+        self._key_params_lock = asyncio.Lock()  # concurrent first requests ask a replica once
 
     @ingress_api.get("/metrics")
     async def metrics(self) -> Response:
@@ -125,11 +126,13 @@ class KVPageIngress:
         return bytes(body)
 
     async def _routing_key(self, path: str, body: bytes) -> RoutingKey:
-        if self._key_params is None:
-            try:
-                self._key_params = await asyncio.wait_for(self._replicas.describe.remote(), self._replica_timeout_s)
-            except (asyncio.TimeoutError, *_REPLICA_GONE):
-                return RoutingKey.empty()  # route by load this once; the next request asks again
+        async with self._key_params_lock:
+            if self._key_params is None:
+                try:
+                    self._key_params = await asyncio.wait_for(self._replicas.describe.remote(),
+                                                              self._replica_timeout_s)
+                except (asyncio.TimeoutError, *_REPLICA_GONE):
+                    return RoutingKey.empty()  # route by load this once; the next request asks again
         params = self._key_params
         return await asyncio.to_thread(routing_key, path, body, params["tokenizer"], params["block_size"])
 

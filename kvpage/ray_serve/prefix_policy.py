@@ -10,9 +10,11 @@ The rule, in order:
 1. **Imbalanced** -- ``max(load) - min(load) > imbalance_threshold`` requests: rank replicas
    by load only (least loaded first). A hot prefix must not pile every request on one
    replica while another idles.
-2. **Prefix hit** -- some replica caches at least ``min_match_blocks`` leading blocks of the
-   prompt: the replicas with the longest cached prefix come first (least loaded among
-   them), the rest follow by load.
+2. **Prefix hit** -- some replica caches at least ``min_match_fraction`` of the prompt's
+   full blocks (leading ones, at least one): the replicas with the longest cached prefix come
+   first (least loaded among them), the rest follow by load. The fraction keeps a short
+   preamble every prompt shares (a chat template's header, a common first sentence) from
+   pulling all traffic to one replica.
 3. **Miss** -- nobody caches the prefix: least loaded first; ties go to the replica holding
    the fewest cached blocks, so new prefixes spread over the cluster.
 
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 from typing import Container, Hashable, Sequence
 
 DEFAULT_IMBALANCE_THRESHOLD = 8
-DEFAULT_MIN_MATCH_BLOCKS = 1
+DEFAULT_MIN_MATCH_FRACTION = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +61,7 @@ def matched_blocks(prompt_hashes: Sequence[int], cached: Container[int]) -> int:
 
 def rank_replicas(prompt_hashes: Sequence[int], replicas: Sequence[ReplicaView],
                   imbalance_threshold: int = DEFAULT_IMBALANCE_THRESHOLD,
-                  min_match_blocks: int = DEFAULT_MIN_MATCH_BLOCKS) -> RoutingDecision:
+                  min_match_fraction: float = DEFAULT_MIN_MATCH_FRACTION) -> RoutingDecision:
     """Apply the module's rule; ``replicas`` must not be empty."""
     if not replicas:
         raise ValueError("no replica to route to")
@@ -69,7 +71,7 @@ def rank_replicas(prompt_hashes: Sequence[int], replicas: Sequence[ReplicaView],
     if max(loads) - min(loads) > imbalance_threshold:
         return RoutingDecision(tuple(r.replica_id for r in by_load), "imbalanced", matches[by_load[0].replica_id])
     best = max(matches.values())
-    if best >= max(1, min_match_blocks):
+    if best >= max(1.0, min_match_fraction * len(prompt_hashes)):
         ranked = sorted(replicas, key=lambda r: (-matches[r.replica_id], r.load))
         return RoutingDecision(tuple(r.replica_id for r in ranked), "prefix", best)
     return RoutingDecision(tuple(r.replica_id for r in by_load), "miss", 0)

@@ -10,9 +10,9 @@ A report lags by up to one period, so a burst of requests of a new prefix would 
 like misses and scatter. The router therefore also counts, as cached on a replica, the
 prompt blocks of requests it sent there in the last ``speculative_ttl_s`` seconds (they
 are being prefilled there). A replica's load is the number of requests this router has in
-flight on it (routed and not completed).
+flight on it (ranked first and not yet routed, or routed and not completed).
 
-Keyword arguments (``request_router_kwargs``): ``imbalance_threshold``, ``min_match_blocks``
+Keyword arguments (``request_router_kwargs``): ``imbalance_threshold``, ``min_match_fraction``
 (see ``prefix_policy``), ``speculative_ttl_s``.
 """
 from __future__ import annotations
@@ -23,11 +23,11 @@ from typing import Any, List, Optional
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from .prefix_policy import (DEFAULT_IMBALANCE_THRESHOLD, DEFAULT_MIN_MATCH_BLOCKS, ReplicaView, matched_blocks,
+from .prefix_policy import (DEFAULT_IMBALANCE_THRESHOLD, DEFAULT_MIN_MATCH_FRACTION, ReplicaView, matched_blocks,
                             rank_replicas)
 from .routing_key import RoutingKey
 
-_MAX_REMEMBERED_DECISIONS = 100_000
+_MAX_RESERVATIONS = 10_000
 
 
 def _shared_metrics():
@@ -54,16 +54,18 @@ class PrefixAwareRequestRouter(RequestRouter):
     """Longest cached prefix first, least loaded when loads are imbalanced (see ``prefix_policy``)."""
 
     def initialize_state(self, imbalance_threshold: int = DEFAULT_IMBALANCE_THRESHOLD,
-                         min_match_blocks: int = DEFAULT_MIN_MATCH_BLOCKS, speculative_ttl_s: float = 10.0,
+                         min_match_fraction: float = DEFAULT_MIN_MATCH_FRACTION, speculative_ttl_s: float = 3.0,
                          **_: Any) -> None:
         self._imbalance_threshold = int(imbalance_threshold)
-        self._min_match_blocks = int(min_match_blocks)
+        self._min_match_fraction = float(min_match_fraction)
         self._speculative_ttl_s = float(speculative_ttl_s)
         # replica id -> (the reported list object, its hashes as a set): rebuilt once per report
         self._reported: dict[ReplicaID, tuple[int, frozenset]] = {}
         self._speculative: dict[ReplicaID, dict[int, float]] = defaultdict(dict)  # hash -> expiry
         self._in_flight: dict[ReplicaID, int] = defaultdict(int)
-        self._rules: dict[str, str] = {}  # internal request id -> rule that ranked it
+        # internal request id -> (replica ranked first, rule, estimated hit tokens, time): counted
+        # in that replica's load from ranking until routed (see ``_reserve``)
+        self._reservations: dict[str, tuple] = {}
 
     # ------------------------------------------------------------------ state
     def _reported_hashes(self, replica: RunningReplica) -> frozenset:
@@ -98,35 +100,51 @@ class PrefixAwareRequestRouter(RequestRouter):
                               pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
         if not candidate_replicas:
             return []
-        hashes = self._prompt_key(pending_request).block_hashes
+        key = self._prompt_key(pending_request)
         now = time.monotonic()
-        decision = rank_replicas(hashes, [self._view(r, now) for r in candidate_replicas],
-                                 self._imbalance_threshold, self._min_match_blocks)
         if pending_request is not None:
-            if len(self._rules) > _MAX_REMEMBERED_DECISIONS:
-                self._rules.clear()
-            self._rules[pending_request.metadata.internal_request_id] = decision.rule if hashes else "unkeyed"
+            self._release(pending_request.metadata.internal_request_id)  # an earlier try of this request
+        decision = rank_replicas(key.block_hashes, [self._view(r, now) for r in candidate_replicas],
+                                 self._imbalance_threshold, self._min_match_fraction)
+        if pending_request is not None:
+            self._reserve(pending_request.metadata.internal_request_id, decision.ranking[0],
+                          decision.rule if key.block_hashes else "unkeyed", key, now)
         by_id = {r.replica_id: r for r in candidate_replicas}
         return [[by_id[replica_id]] for replica_id in decision.ranking]
 
-    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
-        self._in_flight[replica_id] += 1
-        key = self._prompt_key(pending_request)
-        hashes = key.block_hashes
-        rule = self._rules.pop(pending_request.metadata.internal_request_id, "unkeyed")
-        now = time.monotonic()
+    def _reserve(self, request_id: str, replica_id: ReplicaID, rule: str, key: RoutingKey, now: float) -> None:
+        """Count the request on its first choice at once: Serve may rank several pending requests
+        before any of them is routed, and they must not all see the same idle replica."""
+        if len(self._reservations) > _MAX_RESERVATIONS:  # requests that were never routed (cancelled)
+            for stale in [r for r, res in self._reservations.items() if now - res[3] > 120.0]:
+                self._release(stale)
         replica = self.curr_replicas.get(replica_id)
         hit_tokens = 0
-        if replica is not None and hashes:  # before this request's own blocks count as speculative
-            hit_tokens = matched_blocks(hashes, self._view(replica, now).cached) * key.block_size
-        _shared_metrics().observe(rule, key.num_prompt_tokens, min(hit_tokens, key.num_prompt_tokens))
+        if replica is not None and key.block_hashes:
+            hit_tokens = matched_blocks(key.block_hashes, self._view(replica, now).cached) * key.block_size
+        self._reservations[request_id] = (replica_id, rule, min(hit_tokens, key.num_prompt_tokens), now)
+        self._in_flight[replica_id] += 1
         speculative = self._speculative[replica_id]
-        expiry = now + self._speculative_ttl_s
-        for block_hash in hashes:
-            speculative[block_hash] = expiry
-        if len(speculative) > 4 * len(hashes) + 1024:  # drop expired entries now and then, not per request
+        for block_hash in key.block_hashes:
+            speculative[block_hash] = now + self._speculative_ttl_s
+        if len(speculative) > 4 * len(key.block_hashes) + 1024:  # drop expired entries now and then
             for block_hash in [h for h, t in speculative.items() if t <= now]:
                 del speculative[block_hash]
+
+    def _release(self, request_id: str) -> Optional[tuple]:
+        reservation = self._reservations.pop(request_id, None)
+        if reservation is not None and self._in_flight.get(reservation[0], 0) > 0:
+            self._in_flight[reservation[0]] -= 1
+        return reservation
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        key = self._prompt_key(pending_request)
+        reservation = self._release(pending_request.metadata.internal_request_id)
+        if reservation is None or reservation[0] != replica_id:  # sent elsewhere than ranked first
+            self._reserve("", replica_id, reservation[1] if reservation else "unkeyed", key, time.monotonic())
+            reservation = self._release("")
+        self._in_flight[replica_id] += 1  # until on_request_completed
+        _shared_metrics().observe(reservation[1], key.num_prompt_tokens, reservation[2])
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         if self._in_flight.get(replica_id, 0) > 0:
