@@ -54,14 +54,22 @@ def save_model(folder: str, hidden: int, layers: int, max_len: int) -> str:
     return folder
 
 
-def workload(tenants: int, per_tenant: int, prompt_chars: int, seed: int = 0) -> list[list[dict]]:
-    """Chat messages of every request, interleaved by tenant."""
+def workload(tenants: int, per_tenant: int, prompt_chars: int, order: str = "shuffled",
+             seed: int = 0) -> list[list[dict]]:
+    """Chat messages of every request, interleaved by tenant: in rounds of one request per tenant,
+    each round in a seeded random order ("shuffled") or always 0, 1, 2, ... ("round-robin")."""
     rng = random.Random(seed)
     letters = "abcdefghijklmnopqrstuvwxyz     "
     systems = [f"You are the assistant of tenant {t}. " + "".join(rng.choice(letters) for _ in range(prompt_chars))
                for t in range(tenants)]
-    return [[{"role": "system", "content": systems[t]}, {"role": "user", "content": f"Question {r} of {t}: why?"}]
-            for r in range(per_tenant) for t in range(tenants)]
+    requests = []
+    for r in range(per_tenant):
+        round_order = list(range(tenants))
+        if order == "shuffled":
+            rng.shuffle(round_order)
+        requests += [[{"role": "system", "content": systems[t]}, {"role": "user", "content": f"Question {r} of {t}: why?"}]
+                     for t in round_order]
+    return requests
 
 
 async def run_workload(base: str, requests: list[list[dict]], concurrency: int, max_tokens: int) -> dict:
@@ -103,10 +111,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tenants", type=int, default=8)
     p.add_argument("--requests-per-tenant", type=int, default=16)
     p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--order", choices=("shuffled", "round-robin"), default="shuffled",
+                   help="tenant order within each round of requests")
     p.add_argument("--system-prompt-chars", type=int, default=360, help="tokens of each system prompt (about)")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-kv-blocks", type=int, default=208, help="KV pool of each replica, in blocks")
+    p.add_argument("--num-kv-blocks", type=int, default=112, help="KV pool of each replica, in blocks")
     p.add_argument("--hidden", type=int, default=384)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--replicas", type=int, default=2)
@@ -124,7 +134,7 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from server_process import free_port
 
-    requests = workload(args.tenants, args.requests_per_tenant, args.system_prompt_chars)
+    requests = workload(args.tenants, args.requests_per_tenant, args.system_prompt_chars, args.order)
     engine = dict(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, max_model_len=1024,
                   dtype="float32", num_threads=max(1, args.num_cpus // args.replicas), max_num_seqs=32,
                   max_num_batched_tokens=1024)
