@@ -47,4 +47,6 @@ def routing_key(path: str, body: bytes, tokenizer: Any, block_size: int) -> Rout
         ids = _prompt_ids(path, json.loads(body or b"null"), tokenizer)
     except Exception:  # noqa: BLE001 - bad JSON, a bad field, a tokenizer failure: the replica reports it
         return RoutingKey.empty()
+    if not ids:  # not a generation route
+        return RoutingKey.empty()
     return RoutingKey(tuple(prefix_block_hashes(ids, block_size, MAX_KEY_BLOCKS)), len(ids), block_size)
