@@ -112,7 +112,7 @@ class KVPageIngress:
                 return error_response(504, f"no replica answered within {self._replica_timeout_s:g} s",
                                       code="replica_timeout")
             except RayTaskError as exc:
-                return error_response(500, f"replica error: {exc.cause if hasattr(exc, 'cause') else exc}")
+                return error_response(500, f"replica error: {getattr(exc, 'cause', None) or exc}")
         return error_response(503, f"the replica serving this request failed {self._max_attempts} times "
                                    f"({type(failure).__name__}); retry later", code="replica_unavailable",
                               headers={"Retry-After": "1"})

@@ -60,7 +60,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         self._min_match_fraction = float(min_match_fraction)
         self._speculative_ttl_s = float(speculative_ttl_s)
         # replica id -> (the reported list object, its hashes as a set): rebuilt once per report
-        self._reported: dict[ReplicaID, tuple[int, frozenset]] = {}
+        self._reported: dict[ReplicaID, tuple[Any, frozenset]] = {}
         self._speculative: dict[ReplicaID, dict[int, float]] = defaultdict(dict)  # hash -> expiry
         self._in_flight: dict[ReplicaID, int] = defaultdict(int)
         # internal request id -> (replica ranked first, rule, estimated hit tokens, time): counted
@@ -71,8 +71,8 @@ class PrefixAwareRequestRouter(RequestRouter):
     def _reported_hashes(self, replica: RunningReplica) -> frozenset:
         hashes = (replica.routing_stats or {}).get("block_hashes") or ()
         cached = self._reported.get(replica.replica_id)
-        if cached is None or cached[0] != id(hashes):
-            cached = self._reported[replica.replica_id] = (id(hashes), frozenset(hashes))
+        if cached is None or cached[0] is not hashes:
+            cached = self._reported[replica.replica_id] = (hashes, frozenset(hashes))
         return cached[1]
 
     def _view(self, replica: RunningReplica, now: float) -> ReplicaView:
