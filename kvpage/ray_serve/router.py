@@ -2,9 +2,9 @@
 
 Each ``KVPageReplica`` reports, through Serve's ``record_routing_stats`` hook (polled every
 ``request_routing_stats_period_s``), the chained block hashes its radix cache holds. The
-ingress computes the same hashes for the request's prompt and passes them as the
-``prefix_hashes`` keyword (with ``num_prompt_tokens``), which this router reads from the
-``PendingRequest``; ``prefix_policy.rank_replicas`` then ranks the replicas.
+ingress computes the same hashes for the request's prompt and passes them, with the
+prompt's length, as the ``routing_key`` keyword (a ``routing_key.RoutingKey``), which this
+router reads from the ``PendingRequest``; ``prefix_policy.rank_replicas`` ranks the replicas.
 
 A report lags by up to one period, so a burst of requests of a new prefix would all look
 like misses and scatter. The router therefore also counts, as cached on a replica, the
