@@ -98,14 +98,14 @@ def test_a_shared_prefix_stays_on_the_replica_that_caches_it(client, base):
 
 
 async def _completion(http: httpx.AsyncClient, i: int) -> int:
-    body = {"model": "tiny", "prompt": f"request {i} " + "y" * (i % 13), "max_tokens": 24, "temperature": 0,
+    body = {"model": "tiny", "prompt": f"request {i} " + "y" * (i % 13), "max_tokens": 64, "temperature": 0,
             "ignore_eos": True}
     return (await http.post("/v1/completions", json=body)).status_code
 
 
-async def _stream(http: httpx.AsyncClient, i: int) -> tuple[bool, bool, bool]:
+async def _stream(http: httpx.AsyncClient, i: int, first_chunk: asyncio.Event) -> tuple[bool, bool, bool]:
     """(bytes arrived before the end, it ended with [DONE], an in-band error came)."""
-    body = {"model": "tiny", "prompt": f"stream {i}", "max_tokens": 24, "temperature": 0, "ignore_eos": True,
+    body = {"model": "tiny", "prompt": f"stream {i}", "max_tokens": 64, "temperature": 0, "ignore_eos": True,
             "stream": True}
     started = done = errored = False
     async with http.stream("POST", "/v1/completions", json=body) as response:
@@ -114,6 +114,7 @@ async def _stream(http: httpx.AsyncClient, i: int) -> tuple[bool, bool, bool]:
             if not line.startswith("data: "):
                 continue
             started = True
+            first_chunk.set()
             if line == "data: [DONE]":
                 done = True
             elif "error" in json.loads(line[6:]):
@@ -129,14 +130,15 @@ def test_killing_a_replica_mid_run_loses_no_request_that_had_not_streamed(base):
 
     async def run() -> tuple[list, list]:
         async with httpx.AsyncClient(base_url=base, timeout=120) as http:
-            completions = [asyncio.create_task(_completion(http, i)) for i in range(24)]
-            streams = [asyncio.create_task(_stream(http, i)) for i in range(8)]
-            await asyncio.sleep(1.0)  # requests are in flight on both replicas
+            first_chunk = asyncio.Event()
+            completions = [asyncio.create_task(_completion(http, i)) for i in range(32)]
+            streams = [asyncio.create_task(_stream(http, i, first_chunk)) for i in range(8)]
+            await asyncio.wait_for(first_chunk.wait(), 120)  # tokens flow: requests are in flight on both replicas
             ray.kill(ray.get_actor(victims[0], namespace="serve"), no_restart=True)
             return await asyncio.gather(*completions), await asyncio.gather(*streams)
 
     statuses, streams = asyncio.run(asyncio.wait_for(run(), 240))
-    assert statuses == [200] * 24, "requests that had not started streaming are retried on the live replica"
+    assert statuses == [200] * 32, "requests that had not started streaming are retried on the live replica"
     assert all(done for _, done, _ in streams), "every stream ends with [DONE], in-band error or not"
     m = metrics(base)
     retried = m.get('kvpage:ingress_replica_failures_total{outcome="retried"}', 0)
