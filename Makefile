@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 # The pytest script, not `python -m pytest`: the latter puts the repository root on sys.path.
 PYTEST := $(VENV)/bin/pytest
-EXTRAS ?= hf,cpu,cuda,serve,bench,dev,eval,events
+EXTRAS ?= hf,cpu,cuda,serve,bench,dev,eval,events,ray
 STAMP  := $(VENV)/.installed
 
 .PHONY: test demo bench venv clean

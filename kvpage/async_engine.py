@@ -205,6 +205,15 @@ class AsyncLLM:
         """Engine statistics as of the last step (safe to read from any thread)."""
         return dict(self._stats)
 
+    async def cached_block_hashes(self, max_blocks: Optional[int] = None) -> list[int]:
+        """Chained hashes of the blocks in the prefix cache (``RadixCache.block_hashes``), read on the
+        engine thread; empty without prefix caching."""
+        def read() -> list[int]:
+            cache = self.engine.scheduler.prefix_cache
+            return [] if cache is None else cache.block_hashes(max_blocks=max_blocks)
+
+        return await asyncio.wrap_future(self._call(read))
+
     async def fresh_stats(self) -> dict:
         """Statistics read on the engine thread right now."""
         return await asyncio.wrap_future(self._call(self.engine.stats))

@@ -107,6 +107,17 @@ def _bounded_float(text: str, allow_zero: bool) -> float:
     return value
 
 
+def positive_int(text: str) -> int:
+    """An integer >= 1 (a count)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def port(text: str) -> int:
     """A TCP port, 0-65535 (0: any free port)."""
     try:

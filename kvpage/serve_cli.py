@@ -12,7 +12,7 @@ import dataclasses
 import re
 from typing import Optional
 
-from .cli_args import DefaultsHelpFormatter, UsageError, non_negative_float, port, positive_float
+from .cli_args import DefaultsHelpFormatter, UsageError, non_negative_float, port, positive_float, positive_int
 from .core.config import DEFAULT_DISK_CACHE_GIB, EngineConfig
 from .core.kv_events import KVEventsConfig
 
@@ -53,6 +53,7 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     _model_flags(p)
     _engine_flags(p)
     _server_flags(p)
+    _ray_flags(p)
     p.set_defaults(func=run_serve, subparser=p)
     return p
 
@@ -127,6 +128,18 @@ def _server_flags(p: argparse.ArgumentParser) -> None:
                    help="log level of kvpage and uvicorn; debug also shows tracebacks of start-up errors")
 
 
+def _ray_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--replicas", type=positive_int, default=None,
+                   help="serve N engine replicas on Ray Serve behind prefix-aware routing (needs kvpage[ray]); "
+                        "default: one engine in this process, without Ray")
+    p.add_argument("--router", choices=("prefix", "default"), default="prefix",
+                   help="with --replicas: prefix-aware routing, or Ray Serve's default power-of-two-choices")
+    p.add_argument("--ray-address", default=None,
+                   help="with --replicas: the Ray cluster to join (e.g. auto); default: start a local one")
+    p.add_argument("--replica-num-cpus", type=positive_float, default=1.0,
+                   help="with --replicas: CPUs Ray reserves for each replica")
+
+
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The ``EngineConfig`` named by the parsed flags (each flag is a field of the same name).
 
@@ -148,6 +161,10 @@ def model_of(args: argparse.Namespace) -> str:
 
 
 def run_serve(args: argparse.Namespace) -> Optional[int]:
+    if getattr(args, "replicas", None) is not None:
+        from .serve_ray import serve_on_ray
+
+        return serve_on_ray(args, model_of(args), config_from_args(args))
     from .serve_startup import serve
 
     return serve(args, model_of(args), config_from_args(args))

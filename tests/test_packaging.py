@@ -124,3 +124,12 @@ def test_engine_needs_no_tensor_library():
         f"print(json.dumps(sorted(m for m in {list(HEAVY)!r} if m in sys.modules)))\n"
     )
     assert json.loads(run_python(code)) == []
+
+
+def test_ray_is_imported_only_by_the_ray_serve_package():
+    code = (
+        "import sys, json, kvpage, kvpage.cli, kvpage.core.block_hash, kvpage.ray_serve.prefix_policy\n"
+        "kvpage.cli.build_parser().parse_args(['serve', '--replicas', '2'])\n"
+        "print(json.dumps('ray' in sys.modules))\n"
+    )
+    assert json.loads(run_python(code)) is False

@@ -13,7 +13,7 @@ of the digest, vLLM's conversion.
 from __future__ import annotations
 
 import hashlib
-from typing import Hashable, NewType, Sequence
+from typing import Hashable, NewType, Optional, Sequence
 
 import numpy as np
 
@@ -54,3 +54,15 @@ def chain_hashes(parent: BlockHash, token_ids: Sequence[int], block_size: int) -
 def external_hash(block_hash: BlockHash) -> int:
     """The 64-bit unsigned int a router sees for ``block_hash`` (vLLM's int block hashes)."""
     return int.from_bytes(block_hash[-8:], "big")
+
+
+def prompt_block_hashes(token_ids: Sequence[int], block_size: int, namespace: Hashable = None,
+                        max_blocks: Optional[int] = None) -> list[int]:
+    """The 64-bit hashes (``external_hash``) of the full blocks of ``token_ids`` in ``namespace``,
+    first block first, at most ``max_blocks``: what a router compares with the hashes a
+    radix cache reports (``RadixCache.block_hashes``) or publishes in KV events."""
+    num_blocks = len(token_ids) // block_size
+    if max_blocks is not None:
+        num_blocks = min(num_blocks, max_blocks)
+    chain = chain_hashes(namespace_root(namespace), list(token_ids[: num_blocks * block_size]), block_size)
+    return [external_hash(h) for h in chain]

@@ -27,7 +27,7 @@ import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Hashable, Optional, Sequence
 
-from .block_hash import BlockHash, chain_hashes, namespace_root
+from .block_hash import BlockHash, chain_hashes, external_hash, namespace_root
 from .block_pool import BlockPool
 from .kv_events import MEDIUM_POOL, KVEventLog
 
@@ -102,6 +102,30 @@ class RadixCache:
     @property
     def hit_rate(self) -> float:
         return 0.0 if self.num_queried_tokens == 0 else self.num_hit_tokens / self.num_queried_tokens
+
+    def block_hashes(self, namespace: Hashable = None, max_blocks: Optional[int] = None) -> list[int]:
+        """The 64-bit block hashes (``block_hash.external_hash``, as in the KV events) of every
+        cached block of ``namespace``.
+
+        A compact, picklable summary of what this cache holds, for a router in another
+        process: it computes the same chain for a prompt (``block_hash.chain_hashes`` from
+        ``namespace_root``). With ``max_blocks`` only the most recently used blocks are
+        listed; since a match touches the whole path, a listed block's ancestors are as
+        recent or more, so the summary still answers prefix queries. O(cached blocks).
+        """
+        root = self._roots.get(namespace)
+        if root is None:
+            return []
+        found: list[tuple[int, int]] = []  # (last access, hash)
+        stack = [root]
+        while stack:
+            node = stack.pop()
+            for child in node.children.values():
+                found.append((child.last_access, external_hash(self.hash_of(child))))
+                stack.append(child)
+        if max_blocks is not None and len(found) > max_blocks:
+            found = heapq.nlargest(max_blocks, found)
+        return [h for _, h in found]
 
     def _block_keys(self, tokens: Sequence[int], num_blocks: int) -> list[BlockKey]:
         bs = self.block_size

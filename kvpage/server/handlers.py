@@ -53,12 +53,17 @@ def _max_tokens(ctx: ServingContext, requested: Optional[int], prompt_len: int) 
     return max(requested, 1)
 
 
-def _prompt_ids(ctx: ServingContext, prompt: Any) -> list[int]:
+def prompt_token_ids(tokenizer: Any, prompt: Any) -> list[int]:
+    """The token ids of one completions prompt: a string (encoded) or a list of ids."""
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError("prompt must not be empty")
-        return list(ctx.tokenizer.encode(prompt))
+        return list(tokenizer.encode(prompt))
     return [int(t) for t in prompt]
+
+
+def _prompt_ids(ctx: ServingContext, prompt: Any) -> list[int]:
+    return prompt_token_ids(ctx.tokenizer, prompt)
 
 
 async def _submit_all(ctx: ServingContext, prompts: list, make_params,
@@ -218,12 +223,17 @@ def _unsent_endings(base: dict, position: int, n: int, final: RequestOutput, end
 
 
 # ---------------------------------------------------------------------- chat
-def chat_prompt_ids(ctx: ServingContext, req: ChatCompletionRequest) -> list[int]:
-    if getattr(ctx.tokenizer, "chat_template", None) is None:
+def chat_token_ids(tokenizer: Any, req: ChatCompletionRequest) -> list[int]:
+    """The prompt a chat request becomes: its messages through the chat template, then encoded."""
+    if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("this model's tokenizer has no chat template; use /v1/completions")
     messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-    text = ctx.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return list(ctx.tokenizer.encode(text, add_special_tokens=False))
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def chat_prompt_ids(ctx: ServingContext, req: ChatCompletionRequest) -> list[int]:
+    return chat_token_ids(ctx.tokenizer, req)
 
 
 def _chat_logprobs(tokenizer: Any, token_ids: list[int], logprobs: Optional[list], top: int) -> Optional[dict]:
