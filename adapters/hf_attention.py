@@ -30,6 +30,7 @@ from typing import Any, Iterator, Optional, Protocol, Union
 import torch
 
 from kvpage.core.metadata import StepMetadata
+from kvpage.kv_storage import LayerKVSpec
 
 ATTN_IMPLEMENTATION = "kvpage"
 
@@ -57,7 +58,9 @@ class PagedForwardContext:
     """Everything one forward step's attention layers need.
 
     ``key_caches[l]`` / ``value_caches[l]`` are layer ``l``'s paged buffers
-    ``[num_blocks, block_size, num_kv_heads, head_dim]``; ``prepared`` is the backend's
+    ``[num_blocks, block_size, heads, head_dim]`` (K and V may differ in heads and head
+    size); a layer that reuses another layer's KV holds its owner's buffers and is listed
+    in ``reading_only``, so it attends without writing. ``prepared`` is the backend's
     per-step view of the ``StepMetadata``. ``layers_called`` counts the attention calls of
     this forward, so the runner can detect layers that bypass the interface.
     """
@@ -68,36 +71,52 @@ class PagedForwardContext:
     prepared: Any
     layers_called: int = 0
     num_real_tokens: Optional[int] = None  # rows past it are compile-bucket padding
+    reading_only: frozenset = frozenset()
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
                sliding_window: Optional[int], softcap: Optional[float], sinks: Optional[torch.Tensor]) -> torch.Tensor:
-        """Write layer ``layer``'s new K/V, then attend; tensors are ``[T, heads, D]``."""
+        """Write layer ``layer``'s new K/V (unless it reads another layer's), then attend;
+        tensors are ``[T, heads, D]``, the result ``[T, H, D_v]``."""
         self.layers_called += 1
         key_cache, value_cache = self.key_caches[layer], self.value_caches[layer]
-        self.backend.write_kv(key_cache, value_cache, k, v, self.prepared)
+        if layer not in self.reading_only:
+            self.backend.write_kv(key_cache, value_cache, k, v, self.prepared)
         return self.backend.attention(q, key_cache, value_cache, self.prepared, scaling, sliding_window, softcap, sinks)
-
-
-@dataclass(frozen=True, slots=True)
-class LayerKVShape:
-    num_kv_heads: int
-    head_dim: int
 
 
 @dataclass
 class ProbeContext:
-    """A forward with attention stubbed out: records each layer's K shape and dtype."""
+    """A forward with attention stubbed out: records each layer's KV layout and dtype.
 
-    shapes: dict = field(default_factory=dict)  # layer index -> LayerKVShape
+    With ``track_sharing``, a layer handed the very K and V tensors an earlier layer was
+    handed reuses that layer's KV (cross-layer sharing, e.g. Gemma3n) and is recorded with
+    ``reuses`` set. The probe then keeps every K/V it saw alive, so equal storage means the
+    same tensor, not a freed address handed out again (which is why memory-profiling probes
+    leave it off).
+    """
+
+    specs: dict = field(default_factory=dict)  # layer index -> LayerKVSpec
     dtype: Optional[torch.dtype] = None
     layers_called: int = 0
     num_real_tokens: Optional[int] = None
+    track_sharing: bool = False
+    _seen: dict = field(default_factory=dict)  # (k storage, v storage) -> first layer handed them
+    _alive: list = field(default_factory=list)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any) -> torch.Tensor:
         self.layers_called += 1
-        self.shapes[layer] = LayerKVShape(int(k.shape[1]), int(k.shape[2]))
+        owner = layer
+        if self.track_sharing:
+            owner = self._seen.setdefault((_storage_key(k), _storage_key(v)), layer)
+            self._alive.append((k, v))
+        self.specs[layer] = LayerKVSpec(int(k.shape[1]), int(k.shape[2]), int(v.shape[1]), int(v.shape[2]),
+                                        reuses=None if owner == layer else owner)
         self.dtype = k.dtype
-        return torch.zeros_like(q)
+        return q.new_zeros((*q.shape[:-1], v.shape[-1]))
+
+
+def _storage_key(t: torch.Tensor) -> tuple:
+    return t.data_ptr(), tuple(t.shape), tuple(t.stride())
 
 
 def _layer_index(module: torch.nn.Module) -> int:

@@ -13,12 +13,12 @@ from typing import Optional
 import torch
 
 from kvpage.core.metadata import StepMetadata
-from kvpage.kv_storage import PagedKVCache
+from kvpage.kv_storage import LayerKVSpec, PagedKVCache
 
 from .compiled_forward import CompiledForward
 from .onednn_linear import use_onednn_linears
-from .hf_attention import (ATTN_IMPLEMENTATION, AttentionBackend, LayerKVShape, PagedForwardContext, ProbeContext,
-                           paged_step, register_kvpage_attention)
+from .hf_attention import (ATTN_IMPLEMENTATION, AttentionBackend, PagedForwardContext, ProbeContext, paged_step,
+                           register_kvpage_attention)
 
 
 class UnsupportedModelError(ValueError):
@@ -57,22 +57,25 @@ class HFModelRunner:
         self.value_caches: list = []
         self.backend: Optional[AttentionBackend] = None
         self.compiled: Optional[CompiledForward] = None  # set by compile()
-        self.layer_shapes, self.kv_dtype = self._probe_layers()
+        self.reading_only: frozenset = frozenset()
+        self.layer_specs, self.kv_dtype = self._probe_layers()
 
-    def _probe_layers(self) -> tuple[list[LayerKVShape], torch.dtype]:
-        probe = self.probe_forward(1)
-        if len(probe.shapes) != self.num_layers or probe.layers_called != self.num_layers:
+    def _probe_layers(self) -> tuple[list[LayerKVSpec], torch.dtype]:
+        """Each layer's KV layout (``LayerKVSpec``, KV sharing included), from one stubbed forward."""
+        probe = self.probe_forward(1, track_sharing=True)
+        if len(probe.specs) != self.num_layers or probe.layers_called != self.num_layers:
             self.restore()
             raise UnsupportedModelError(
                 f"{type(self.model).__name__}: only {probe.layers_called} of {self.num_layers} layers called the "
                 "kvpage attention; the others bypass transformers' attention interface (or have no attention)"
             )
-        return [probe.shapes[i] for i in range(self.num_layers)], probe.dtype
+        return [probe.specs[i] for i in range(self.num_layers)], probe.dtype
 
-    def probe_forward(self, num_tokens: int, forward: Optional[CompiledForward] = None) -> ProbeContext:
-        """A forward of ``num_tokens`` dummy tokens with attention stubbed out (shapes, memory,
+    def probe_forward(self, num_tokens: int, forward: Optional[CompiledForward] = None,
+                      track_sharing: bool = False) -> ProbeContext:
+        """A forward of ``num_tokens`` dummy tokens with attention stubbed out (layouts, memory,
         compilation); through ``forward`` if given, else the eager model."""
-        probe = ProbeContext(num_real_tokens=num_tokens)
+        probe = ProbeContext(num_real_tokens=num_tokens, track_sharing=track_sharing)
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         positions = torch.arange(num_tokens, device=self.device)
         rows = torch.tensor([num_tokens - 1], device=self.device)
@@ -96,6 +99,7 @@ class HFModelRunner:
         self.kv_cache = kv_cache
         self.key_caches = [kv_cache.torch_key_cache(i) for i in range(self.num_layers)]
         self.value_caches = [kv_cache.torch_value_cache(i) for i in range(self.num_layers)]
+        self.reading_only = frozenset(i for i, layer in enumerate(kv_cache.spec.layers) if layer.reuses is not None)
         self.backend = backend
 
     @torch.inference_mode()
@@ -107,7 +111,7 @@ class HFModelRunner:
         positions = torch.as_tensor(metadata.positions, device=device)
         rows = torch.as_tensor(metadata.logits_indices, dtype=torch.long, device=device)
         context = PagedForwardContext(self.key_caches, self.value_caches, self.backend, self.backend.prepare(metadata),
-                                      num_real_tokens=metadata.num_tokens)
+                                      num_real_tokens=metadata.num_tokens, reading_only=self.reading_only)
         with paged_step(context):
             if self.compiled is not None:
                 logits = self.compiled(input_ids, positions, rows)

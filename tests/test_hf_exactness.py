@@ -89,6 +89,23 @@ def test_extended_families_match_hf(family):
     assert got == expected, family
 
 
+@pytest.mark.parametrize("family, k_dim, v_dim, reuses", [
+    ("deepseek_v3", 24, 8, [None, None]),  # MLA: K = nope 16 + rope 8, V 8
+    ("gemma3n_text", 16, 16, [None, None, 0, 1]),  # the last two layers read the last sliding / full layer
+])
+def test_per_layer_kv_spec(family, k_dim, v_dim, reuses):
+    llm = LLM(tiny_model(family), block_size=4, num_kv_blocks=8, max_model_len=32)
+    try:
+        spec = llm.engine.runner.kv_cache.spec
+        assert [(layer.k_head_dim, layer.v_head_dim, layer.reuses) for layer in spec.layers] == \
+            [(k_dim, v_dim, r) for r in reuses]
+        owners = [spec.layers[i] for i in spec.owner_layers]
+        assert spec.bytes_per_token == 4 * sum(l.k_heads * l.k_head_dim + l.v_heads * l.v_head_dim for l in owners)
+        assert llm.engine.runner.kv_cache.nbytes == 8 * spec.bytes_per_block  # reusing layers allocate nothing
+    finally:
+        llm.restore()
+
+
 @pytest.mark.parametrize("family", UNSUPPORTED_FAMILIES)
 def test_unsupported_models_are_refused_with_a_reason(family):
     model = tiny_model(family)
