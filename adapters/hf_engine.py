@@ -197,5 +197,5 @@ def _assemble(runner: HFModelRunner, model: torch.nn.Module, tokenizer: Any, con
     runner.bind(PagedKVCache(spec, cache_config.num_blocks, backend=storage), backend)
     if not config.enforce_eager:
         runner.compile()
-    return LLMEngine(runner, Sampler(config.seed), tokenizer, scheduler, vocab_size(model),
-                     eos_token_ids(model, tokenizer))
+    eos = eos_token_ids(model, tokenizer)
+    return LLMEngine(runner, Sampler(config.seed, eos_token_ids=eos), tokenizer, scheduler, vocab_size(model), eos)
