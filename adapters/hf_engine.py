@@ -101,7 +101,7 @@ def load_model(model: Any, tokenizer: Any, config: EngineConfig) -> tuple[Any, A
 
 
 def model_max_len(model: torch.nn.Module) -> int:
-    config = model.config
+    config = model.config.get_text_config()
     for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
         value = getattr(config, name, None)
         if isinstance(value, int) and value > 0:

@@ -128,6 +128,7 @@ def test_extended_families_match_hf(family):
 @pytest.mark.parametrize("family, k_dim, v_dim, reuses", [
     ("deepseek_v3", 24, 8, [None, None]),  # MLA: K = nope 16 + rope 8, V 8
     ("gemma3n_text", 16, 16, [None, None, 0, 1]),  # the last two layers read the last sliding / full layer
+    ("diffllama", 16, 16, [None] * 4),  # two attention calls per layer: four call sites for two layers
 ])
 def test_per_layer_kv_spec(family, k_dim, v_dim, reuses):
     llm = LLM(tiny_model(family), block_size=4, num_kv_blocks=8, max_model_len=32)

@@ -62,6 +62,8 @@ def _configs() -> dict:
         "deepseek_v3": lambda: tf.DeepseekV3Config(**mla, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
                                                    topk_group=1, moe_intermediate_size=32, first_k_dense_replace=1),
         "minicpm3": lambda: tf.MiniCPM3Config(**mla),
+        # Differential attention: two attention calls per layer, each with its own half of V.
+        "diffllama": lambda: tf.DiffLlamaConfig(**llama_like),
         "gemma3n_text": lambda: tf.Gemma3nTextConfig(
             **{**llama_like, "num_hidden_layers": 4, "intermediate_size": [96] * 4}, head_dim=16, sliding_window=8,
             layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2,
@@ -77,7 +79,8 @@ def _configs() -> dict:
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3", "gpt2", "gpt_neox", "opt"]
 EXTENDED_FAMILIES = ["gpt_oss", "gpt_bigcode", "gptj", "codegen", "starcoder2", "phi", "mixtral", "olmo2", "cohere",
-                     "granite", "smollm3", "stablelm", "nemotron", "deepseek_v3", "minicpm3", "gemma3n_text"]
+                     "granite", "smollm3", "stablelm", "nemotron", "deepseek_v3", "minicpm3", "gemma3n_text",
+                     "diffllama"]
 UNSUPPORTED_FAMILIES = ["bloom", "mamba"]
 
 
