@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Protocol, Union
@@ -30,6 +31,7 @@ from typing import Any, Iterator, Optional, Protocol, Union
 import torch
 
 from kvpage.core.metadata import StepMetadata
+from kvpage.kv_storage import LayerKVSpec
 
 ATTN_IMPLEMENTATION = "kvpage"
 
@@ -56,10 +58,16 @@ class AttentionBackend(Protocol):
 class PagedForwardContext:
     """Everything one forward step's attention layers need.
 
-    ``key_caches[l]`` / ``value_caches[l]`` are layer ``l``'s paged buffers
-    ``[num_blocks, block_size, num_kv_heads, head_dim]``; ``prepared`` is the backend's
-    per-step view of the ``StepMetadata``. ``layers_called`` counts the attention calls of
-    this forward, so the runner can detect layers that bypass the interface.
+    KV buffers belong to attention *call sites*: one per layer, or more where a layer calls
+    attention more than once per forward (differential attention calls it twice, with two
+    halves of V). ``first_site[l]`` is layer ``l``'s first site; its ``n``-th call this
+    forward uses site ``first_site[l] + n``. ``key_caches[s]`` / ``value_caches[s]`` are
+    site ``s``'s paged buffers ``[num_blocks, block_size, heads, head_dim]`` (K and V may
+    differ in heads and head size); a site that reuses another's KV holds its owner's
+    buffers and is listed in ``reading_only``, so it attends without writing. ``prepared``
+    is the backend's per-step view of the ``StepMetadata``. ``layers_called`` counts the
+    attention calls of this forward, so the runner can detect layers that bypass the
+    interface.
     """
 
     key_caches: list
@@ -68,36 +76,81 @@ class PagedForwardContext:
     prepared: Any
     layers_called: int = 0
     num_real_tokens: Optional[int] = None  # rows past it are compile-bucket padding
+    reading_only: frozenset = frozenset()
+    first_site: Optional[list] = None  # None: one site per layer, site == layer
+    _calls: dict = field(default_factory=dict)  # layer -> calls so far this forward
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
                sliding_window: Optional[int], softcap: Optional[float], sinks: Optional[torch.Tensor]) -> torch.Tensor:
-        """Write layer ``layer``'s new K/V, then attend; tensors are ``[T, heads, D]``."""
+        """Write the call site's new K/V (unless it reads another site's), then attend;
+        tensors are ``[T, heads, D]``, the result ``[T, H, D_v]``."""
         self.layers_called += 1
-        key_cache, value_cache = self.key_caches[layer], self.value_caches[layer]
-        self.backend.write_kv(key_cache, value_cache, k, v, self.prepared)
+        site = layer
+        if self.first_site is not None:
+            calls = self._calls.get(layer, 0)
+            self._calls[layer] = calls + 1
+            site = self.first_site[layer] + calls
+        key_cache, value_cache = self.key_caches[site], self.value_caches[site]
+        if site not in self.reading_only:
+            self.backend.write_kv(key_cache, value_cache, k, v, self.prepared)
         return self.backend.attention(q, key_cache, value_cache, self.prepared, scaling, sliding_window, softcap, sinks)
-
-
-@dataclass(frozen=True, slots=True)
-class LayerKVShape:
-    num_kv_heads: int
-    head_dim: int
 
 
 @dataclass
 class ProbeContext:
-    """A forward with attention stubbed out: records each layer's K shape and dtype."""
+    """A forward with attention stubbed out: records each attention call's KV layout and dtype.
 
-    shapes: dict = field(default_factory=dict)  # layer index -> LayerKVShape
+    ``calls`` holds ``(layer, LayerKVSpec)`` in call order (a layer may call attention more
+    than once). ``layers_with_masks`` lists the layers handed an attention mask or bias of
+    the model's own making: kvpage derives causality from positions and builds no mask, so a
+    mask that reaches attention anyway carries something else (a learned bias, a dynamic
+    sparsity mask). With ``track_sharing``, a call handed the very K and V tensors an
+    earlier call was handed reuses that call's KV (cross-layer sharing, e.g. Gemma3n); the
+    probe then keeps every K/V it saw alive, so equal storage means the same tensor, not a
+    freed address handed out again (which is why memory-profiling probes leave it off).
+    """
+
+    calls: list = field(default_factory=list)  # (layer index, LayerKVSpec with reuses = call index)
     dtype: Optional[torch.dtype] = None
     layers_called: int = 0
     num_real_tokens: Optional[int] = None
+    track_sharing: bool = False
+    record_query: bool = False
+    first_query: Optional[torch.Tensor] = None  # the first call's q [T, H, D], with record_query
+    layers_with_masks: set = field(default_factory=set)
+    _seen: dict = field(default_factory=dict)  # (k storage, v storage) -> first call handed them
+    _alive: list = field(default_factory=list)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any) -> torch.Tensor:
         self.layers_called += 1
-        self.shapes[layer] = LayerKVShape(int(k.shape[1]), int(k.shape[2]))
+        index = len(self.calls)
+        if self.record_query and index == 0:
+            self.first_query = q.detach().clone()
+        owner = index
+        if self.track_sharing:
+            owner = self._seen.setdefault((_storage_key(k), _storage_key(v)), index)
+            self._alive.append((k, v))
+        self.calls.append((layer, LayerKVSpec(int(k.shape[1]), int(k.shape[2]), int(v.shape[1]), int(v.shape[2]),
+                                              reuses=None if owner == index else owner)))
         self.dtype = k.dtype
-        return torch.zeros_like(q)
+        return q.new_zeros((*q.shape[:-1], v.shape[-1]))
+
+    def sites(self) -> list:
+        """``[(layer, LayerKVSpec)]`` in site order (by layer, then call order), ``reuses``
+        renumbered to site indices."""
+        order = sorted(range(len(self.calls)), key=lambda i: (self.calls[i][0], i))
+        site_of = {call: site for site, call in enumerate(order)}
+        out = []
+        for call in order:
+            layer, spec = self.calls[call]
+            if spec.reuses is not None:
+                spec = dataclasses.replace(spec, reuses=site_of[spec.reuses])
+            out.append((layer, spec))
+        return out
+
+
+def _storage_key(t: torch.Tensor) -> tuple:
+    return t.data_ptr(), tuple(t.shape), tuple(t.stride())
 
 
 def _layer_index(module: torch.nn.Module) -> int:
@@ -126,6 +179,8 @@ def kvpage_attention_forward(
     if torch.compiler.is_compiling():
         return _compiled_attention(module, query, key, value, scaling, sliding_window, softcap, s_aux)
     kvpage_context = kvpage_context or _STEP.get()
+    if isinstance(kvpage_context, ProbeContext) and attention_mask is not None:
+        kvpage_context.layers_with_masks.add(_layer_index(module))
     if kvpage_context is None:
         # A plain HF call (model.generate on a patched model): behave like stock attention.
         return _fallback_attention(module, query, key, value, attention_mask, scaling, dropout,

@@ -102,7 +102,7 @@ def load_model(model: Any, tokenizer: Any, config: EngineConfig) -> tuple[Any, A
 
 
 def model_max_len(model: torch.nn.Module) -> int:
-    config = model.config
+    config = model.config.get_text_config()
     for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
         value = getattr(config, name, None)
         if isinstance(value, int) and value > 0:
@@ -126,13 +126,20 @@ def eos_token_ids(model: torch.nn.Module, tokenizer: Any) -> list[int]:
 
 
 def kv_cache_spec(runner: HFModelRunner, config: EngineConfig) -> KVCacheSpec:
-    """One KV layout for all layers; models whose layers differ are refused."""
-    shapes = set(runner.layer_shapes)
-    if len(shapes) != 1:
-        raise UnsupportedModelError(f"layers have different KV shapes {sorted(shapes)}; kvpage needs one per model")
-    (shape,) = shapes
+    """The model's per-layer KV spec, as the runner's probe forward found it."""
     dtype = str(runner.kv_dtype).removeprefix("torch.")
-    return KVCacheSpec(len(runner.layer_shapes), shape.num_kv_heads, shape.head_dim, config.block_size, dtype)
+    return KVCacheSpec(tuple(runner.layer_specs), config.block_size, dtype)
+
+
+def check_backend_fits(spec: KVCacheSpec, backend_name: str) -> None:
+    """The CUDA kernels read K and V of one shape; refuse other layouts there, with the layer."""
+    if backend_name != "cuda":
+        return
+    for i, layer in enumerate(spec.layers):
+        if (layer.k_heads, layer.k_head_dim) != (layer.v_heads, layer.v_head_dim):
+            raise UnsupportedModelError(
+                f"layer {i} has K [{layer.k_heads}, {layer.k_head_dim}] and V [{layer.v_heads}, {layer.v_head_dim}] "
+                "per token; the CUDA kernels need one shape for both (use device='cpu')")
 
 
 def profile_gpu_memory(runner: HFModelRunner, num_tokens: int) -> dict:
@@ -166,24 +173,34 @@ def vocab_size(model: torch.nn.Module) -> int:
 
 
 def build_hf_engine(model: torch.nn.Module, tokenizer: Any, config: EngineConfig) -> LLMEngine:
-    """Switch ``model`` to kvpage attention and return an engine bound to it."""
+    """Switch ``model`` to kvpage attention and return an engine bound to it. If that fails
+    (a ``ValueError`` naming the reason), the model keeps its own attention."""
     configure_threads(config.num_threads)
     runner = HFModelRunner(model, onednn_linears=config.onednn_linears)
+    try:
+        return _assemble(runner, model, tokenizer, config)
+    except BaseException:
+        runner.restore()
+        raise
+
+
+def _assemble(runner: HFModelRunner, model: torch.nn.Module, tokenizer: Any, config: EngineConfig) -> LLMEngine:
     limit = model_max_len(model)
     max_model_len = config.max_model_len or limit
     if max_model_len > limit:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's {limit} positions")
     spec = kv_cache_spec(runner, config)
+    backend = select_backend(config.attention_backend, runner.device)
+    check_backend_fits(spec, backend.name)
     cache_config = config.cache_config(size_kv_cache(runner, spec, config, max_model_len), spec.bytes_per_block,
                                        max_model_len)
     scheduler = Scheduler(cache_config, config.scheduler_config(max_model_len))
     storage = "cupy" if runner.device.type == "cuda" else "torch"
-    runner.bind(PagedKVCache(spec, cache_config.num_blocks, backend=storage),
-                select_backend(config.attention_backend, runner.device))
+    runner.bind(PagedKVCache(spec, cache_config.num_blocks, backend=storage), backend)
     if not config.enforce_eager:
         runner.compile()
-    engine = LLMEngine(runner, Sampler(config.seed), tokenizer, scheduler, vocab_size(model),
-                       eos_token_ids(model, tokenizer))
+    eos = eos_token_ids(model, tokenizer)
+    engine = LLMEngine(runner, Sampler(config.seed, eos_token_ids=eos), tokenizer, scheduler, vocab_size(model), eos)
     attach_kv_tiers(engine, config, spec, runner.kv_cache, model)
     if config.kv_events_config is not None and config.kv_events_config.publishes:
         from kvpage.kv_events_publisher import attach_kv_events  # msgspec and pyzmq: the events extra

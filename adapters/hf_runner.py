@@ -13,16 +13,18 @@ from typing import Optional
 import torch
 
 from kvpage.core.metadata import StepMetadata
-from kvpage.kv_storage import PagedKVCache
+from kvpage.kv_storage import LayerKVSpec, PagedKVCache
 
 from .compiled_forward import CompiledForward
+from .layer_kinds import unsupported_layer_reason
 from .onednn_linear import use_onednn_linears
-from .hf_attention import (ATTN_IMPLEMENTATION, AttentionBackend, LayerKVShape, PagedForwardContext, ProbeContext,
-                           paged_step, register_kvpage_attention)
+from .hf_attention import (ATTN_IMPLEMENTATION, AttentionBackend, PagedForwardContext, ProbeContext, paged_step,
+                           register_kvpage_attention)
 
 
 class UnsupportedModelError(ValueError):
-    """The model cannot run on kvpage (its attention bypasses the attention interface, ...)."""
+    """The model cannot run on kvpage (its attention bypasses the attention interface, it has
+    layers with recurrent state, ...); the message names the reason."""
 
 
 def check_supported(model: torch.nn.Module) -> None:
@@ -33,6 +35,9 @@ def check_supported(model: torch.nn.Module) -> None:
         raise UnsupportedModelError(f"{name} is not a transformers PreTrainedModel")
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedModelError(f"{name} is an encoder-decoder model; kvpage serves decoder-only models")
+    reason = unsupported_layer_reason(model)
+    if reason is not None:
+        raise UnsupportedModelError(f"{name}: {reason}")
     if not type(model)._can_set_attn_implementation():
         raise UnsupportedModelError(
             f"{name}'s attention does not go through transformers' AttentionInterface, so kvpage cannot page its KV"
@@ -50,31 +55,73 @@ class HFModelRunner:
         register_kvpage_attention()
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         self._undo_linears = use_onednn_linears(model) if onednn_linears else (lambda: None)
-        self.num_layers = int(model.config.num_hidden_layers)
+        self.num_layers = int(model.config.get_text_config().num_hidden_layers)
         self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.kv_cache: Optional[PagedKVCache] = None
         self.key_caches: list = []
         self.value_caches: list = []
         self.backend: Optional[AttentionBackend] = None
         self.compiled: Optional[CompiledForward] = None  # set by compile()
-        self.layer_shapes, self.kv_dtype = self._probe_layers()
+        self.reading_only: frozenset = frozenset()
+        self.site_layers: list = []  # the layer of each attention call site (see PagedForwardContext)
+        self.first_site: Optional[list] = None
+        self.layer_specs, self.kv_dtype = self._probe_layers()
 
-    def _probe_layers(self) -> tuple[list[LayerKVShape], torch.dtype]:
-        probe = self.probe_forward(1)
-        if len(probe.shapes) != self.num_layers or probe.layers_called != self.num_layers:
+    def _probe_layers(self) -> tuple[list[LayerKVSpec], torch.dtype]:
+        """Each attention call site's KV layout (``LayerKVSpec``, KV sharing included), from a
+        stubbed forward; refuses (restoring the model) what kvpage cannot page exactly."""
+        try:
+            probe = self.probe_forward(3, track_sharing=True)
+            sites = probe.sites()
+            self._check_probe(probe, sites)
+        except BaseException:
             self.restore()
-            raise UnsupportedModelError(
-                f"{type(self.model).__name__}: only {probe.layers_called} of {self.num_layers} layers called the "
-                "kvpage attention; the others bypass transformers' attention interface (or have no attention)"
-            )
-        return [probe.shapes[i] for i in range(self.num_layers)], probe.dtype
+            raise
+        self.site_layers = [layer for layer, _ in sites]
+        first = {}
+        for site, layer in enumerate(self.site_layers):
+            first.setdefault(layer, site)
+        self.first_site = None if self.site_layers == list(range(self.num_layers)) else \
+            [first[layer] for layer in range(self.num_layers)]
+        return [spec for _, spec in sites], probe.dtype
 
-    def probe_forward(self, num_tokens: int, forward: Optional[CompiledForward] = None) -> ProbeContext:
-        """A forward of ``num_tokens`` dummy tokens with attention stubbed out (shapes, memory,
-        compilation); through ``forward`` if given, else the eager model."""
-        probe = ProbeContext(num_real_tokens=num_tokens)
-        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
-        positions = torch.arange(num_tokens, device=self.device)
+    def _check_probe(self, probe: ProbeContext, sites: list) -> None:
+        name = type(self.model).__name__
+        called = {layer for layer, _ in sites}
+        missing = sorted(set(range(self.num_layers)) - called)
+        if missing or called - set(range(self.num_layers)):
+            raise UnsupportedModelError(
+                f"{name}: layers {missing or sorted(called)} of {self.num_layers} did not call the kvpage attention; "
+                "they bypass transformers' attention interface (or have no attention)")
+        if probe.layers_with_masks:
+            layer = min(probe.layers_with_masks)
+            raise UnsupportedModelError(
+                f"{name}: layer {layer} hands attention a mask or bias of its own making; kvpage derives causal and "
+                "sliding-window masks from token positions and applies no other mask")
+        if not self._follows_position_ids():
+            raise UnsupportedModelError(
+                f"{name} ignores position_ids (it numbers tokens from its own cache length), so it cannot run "
+                "kvpage's flattened batches of sequences at different positions")
+
+    def _follows_position_ids(self) -> bool:
+        """Whether the model places tokens where ``position_ids`` says: the first layer's query
+        of a token must not change when an earlier token joins the forward at the same
+        positions (a model that counts positions itself moves it by one)."""
+        alone = self.probe_forward(1, record_query=True, first_position=5, token=7)
+        paired = self.probe_forward(2, record_query=True, first_position=4, token=7)
+        if alone.first_query is None or paired.first_query is None:
+            return True
+        return bool(torch.allclose(alone.first_query[-1], paired.first_query[-1], rtol=1e-4, atol=1e-5))
+
+    def probe_forward(self, num_tokens: int, forward: Optional[CompiledForward] = None,
+                      track_sharing: bool = False, record_query: bool = False, first_position: int = 0,
+                      token: int = 0) -> ProbeContext:
+        """A forward of ``num_tokens`` dummy tokens (all ``token``) at positions from
+        ``first_position``, attention stubbed out (layouts, memory, compilation); through
+        ``forward`` if given, else the eager model."""
+        probe = ProbeContext(num_real_tokens=num_tokens, track_sharing=track_sharing, record_query=record_query)
+        ids = torch.full((num_tokens,), token, dtype=torch.long, device=self.device)
+        positions = torch.arange(first_position, first_position + num_tokens, device=self.device)
         rows = torch.tensor([num_tokens - 1], device=self.device)
         with torch.inference_mode(), paged_step(probe):
             if forward is not None:
@@ -91,11 +138,13 @@ class HFModelRunner:
 
     def bind(self, kv_cache: PagedKVCache, backend: AttentionBackend) -> None:
         """Attach the paged KV buffers (a ``PagedKVCache``) and the attention backend."""
-        if kv_cache.spec.num_layers != self.num_layers:
-            raise ValueError(f"expected a KV cache of {self.num_layers} layers, got {kv_cache.spec.num_layers}")
+        if kv_cache.spec.num_layers != len(self.layer_specs):
+            raise ValueError(f"expected a KV cache of {len(self.layer_specs)} attention sites, got "
+                             f"{kv_cache.spec.num_layers}")
         self.kv_cache = kv_cache
-        self.key_caches = [kv_cache.torch_key_cache(i) for i in range(self.num_layers)]
-        self.value_caches = [kv_cache.torch_value_cache(i) for i in range(self.num_layers)]
+        self.key_caches = [kv_cache.torch_key_cache(i) for i in range(kv_cache.spec.num_layers)]
+        self.value_caches = [kv_cache.torch_value_cache(i) for i in range(kv_cache.spec.num_layers)]
+        self.reading_only = frozenset(i for i, layer in enumerate(kv_cache.spec.layers) if layer.reuses is not None)
         self.backend = backend
 
     @torch.inference_mode()
@@ -107,14 +156,16 @@ class HFModelRunner:
         positions = torch.as_tensor(metadata.positions, device=device)
         rows = torch.as_tensor(metadata.logits_indices, dtype=torch.long, device=device)
         context = PagedForwardContext(self.key_caches, self.value_caches, self.backend, self.backend.prepare(metadata),
-                                      num_real_tokens=metadata.num_tokens)
+                                      num_real_tokens=metadata.num_tokens, reading_only=self.reading_only,
+                                      first_site=self.first_site)
         with paged_step(context):
             if self.compiled is not None:
                 logits = self.compiled(input_ids, positions, rows)
             else:
                 logits = self._eager_forward(input_ids, positions, rows, context)
-        if context.layers_called != self.num_layers:
-            raise RuntimeError(f"{self.num_layers - context.layers_called} layers bypassed kvpage attention")
+        if context.layers_called != len(self.layer_specs):
+            raise RuntimeError(f"{len(self.layer_specs) - context.layers_called} attention calls bypassed kvpage "
+                               "attention")
         return logits.float()
 
     def _eager_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,

@@ -22,17 +22,22 @@ from .hf_attention import current_step
 @torch.library.custom_op("kvpage::paged_attention", mutates_args=())
 def paged_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scaling: float,
                        sliding_window: int, softcap: float, sinks: Optional[torch.Tensor]) -> torch.Tensor:
-    """``[T, H, D]`` attention output of layer ``layer`` (``sliding_window``/``softcap`` 0 = none)."""
+    """``[T, H, D_v]`` attention output of layer ``layer`` (``sliding_window``/``softcap`` 0 = none)."""
     context = current_step()
     n = context.num_real_tokens if context.num_real_tokens is not None else q.shape[0]
     out = context.attend(layer, q[:n], k[:n], v[:n], scaling, sliding_window or None, softcap or None, sinks)
     if n == q.shape[0]:
         return out.contiguous()
-    padded = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    padded = q.new_zeros(_out_shape(q, v))
     padded[:n] = out
     return padded
 
 
+def _out_shape(q: torch.Tensor, v: torch.Tensor) -> tuple:
+    """Queries' rows and heads, V's head size (MLA models: smaller than the query's)."""
+    return (*q.shape[:-1], v.shape[-1])
+
+
 @paged_attention_op.register_fake
 def _(q, k, v, layer, scaling, sliding_window, softcap, sinks):
-    return torch.empty_like(q, memory_format=torch.contiguous_format)
+    return q.new_empty(_out_shape(q, v))

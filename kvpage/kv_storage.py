@@ -1,11 +1,14 @@
-"""Paged KV storage: sizing the pool and allocating its per-layer K/V buffers.
+"""Paged KV storage: the per-layer KV spec, sizing the pool, and allocating its K/V buffers.
 
 Backend-neutral and torch-free at import: numpy buffers work everywhere, torch (CPU
 tensors) and cupy (GPU) are imported only when asked for.
 
-Layout per layer, one buffer for K and one for V::
+Layout of layer ``l`` (``spec.layers[l]``, a ``LayerKVSpec``), one buffer for K, one for V::
 
-    [num_blocks, block_size, num_kv_heads, head_dim]   (slot = block_id * block_size + offset)
+    K: [num_blocks, block_size, k_heads, k_head_dim]   (slot = block_id * block_size + offset)
+    V: [num_blocks, block_size, v_heads, v_head_dim]
+
+A layer that reuses another layer's KV has no buffers: it reads its owner's.
 """
 from __future__ import annotations
 
@@ -27,31 +30,113 @@ CPU_MAX_FREE_RAM_FRACTION = 0.25
 CPU_MAX_KV_BYTES = 4 << 30
 
 
+@dataclass(frozen=True, slots=True)
+class LayerKVSpec:
+    """The KV layout of one attention layer: what one token stores in it.
+
+    K rows are ``[k_heads, k_head_dim]`` and V rows ``[v_heads, v_head_dim]``; they differ in
+    MLA models (DeepSeek-V2/V3, MiniCPM3: V's head is smaller than K's, which carries the
+    rotary part). ``reuses`` names an earlier layer whose K/V this layer reads instead of
+    its own (cross-layer KV sharing, as in Gemma3n): such a layer allocates nothing, and
+    its layout must equal its owner's.
+
+    Two layers with equal fields (``reuses`` aside) have interchangeable buffers; that is
+    the key to group layers by (``KVCacheSpec.layers_by_layout``).
+    """
+
+    k_heads: int
+    k_head_dim: int
+    v_heads: int
+    v_head_dim: int
+    reuses: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        for name in ("k_heads", "k_head_dim", "v_heads", "v_head_dim"):
+            _check_positive(name, getattr(self, name))
+        if self.reuses is not None and (isinstance(self.reuses, bool) or not isinstance(self.reuses, int)
+                                        or self.reuses < 0):
+            raise ValueError(f"reuses must be None or a layer index >= 0, got {self.reuses!r}")
+
+    @classmethod
+    def symmetric(cls, num_kv_heads: int, head_dim: int, reuses: Optional[int] = None) -> "LayerKVSpec":
+        """K and V of one shape (every model but MLA)."""
+        return cls(num_kv_heads, head_dim, num_kv_heads, head_dim, reuses)
+
+    @property
+    def layout(self) -> "LayerKVSpec":
+        """This layout without ``reuses`` (what a buffer of it looks like)."""
+        return LayerKVSpec(self.k_heads, self.k_head_dim, self.v_heads, self.v_head_dim)
+
+    @property
+    def elements_per_token(self) -> int:
+        """K plus V elements of one token in this layer's own buffers (0 if it reuses another's)."""
+        if self.reuses is not None:
+            return 0
+        return self.k_heads * self.k_head_dim + self.v_heads * self.v_head_dim
+
+
 @dataclass(frozen=True)
 class KVCacheSpec:
-    """Shape of the KV cache of one model.
+    """Shape of the KV cache of one model: one ``LayerKVSpec`` per attention layer.
+
+    Every layer that owns buffers has one K and one V buffer of ``num_blocks`` blocks (all
+    layers share one block table, so a block id means the same tokens in every layer).
 
     Attributes:
-        num_layers: attention layers, each with its own K and V buffer.
-        num_kv_heads: KV heads per layer.
-        head_dim: elements per head.
+        layers: the layers' layouts, in layer order (``layers[i]`` is layer ``i``).
         block_size: tokens per block.
         dtype: "float32", "float16" or "bfloat16".
     """
 
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
+    layers: tuple
     block_size: int
     dtype: str = "float32"
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        object.__setattr__(self, "layers", tuple(self.layers))
+        if not self.layers or not all(isinstance(layer, LayerKVSpec) for layer in self.layers):
+            raise ValueError(f"layers must be a non-empty sequence of LayerKVSpec, got {self.layers!r}")
+        for index, layer in enumerate(self.layers):
+            if layer.reuses is None:
+                continue
+            if layer.reuses >= index or self.layers[layer.reuses].reuses is not None:
+                raise ValueError(f"layer {index} reuses layer {layer.reuses}, which is not an earlier layer "
+                                 "with buffers of its own")
+            if layer.layout != self.layers[layer.reuses].layout:
+                raise ValueError(f"layer {index} reuses layer {layer.reuses}, whose KV layout differs")
+        _check_positive("block_size", self.block_size)
         if self.dtype not in _ITEMSIZE:
             raise ValueError(f"dtype must be one of {sorted(_ITEMSIZE)}, got {self.dtype!r}")
+
+    @classmethod
+    def uniform(cls, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
+                dtype: str = "float32") -> "KVCacheSpec":
+        """``num_layers`` layers with K and V of ``[num_kv_heads, head_dim]`` each."""
+        _check_positive("num_layers", num_layers)
+        return cls((LayerKVSpec.symmetric(num_kv_heads, head_dim),) * num_layers, block_size, dtype)
+
+    @property
+    def num_layers(self) -> int:
+        """Attention layers, including those that reuse another layer's KV."""
+        return len(self.layers)
+
+    @property
+    def owner_layers(self) -> tuple:
+        """Indices of the layers that have buffers of their own."""
+        return tuple(i for i, layer in enumerate(self.layers) if layer.reuses is None)
+
+    def owner_of(self, layer: int) -> int:
+        """The layer whose buffers layer ``layer`` reads (itself unless it reuses another's)."""
+        reuses = self.layers[layer].reuses
+        return layer if reuses is None else reuses
+
+    def layers_by_layout(self) -> dict:
+        """Owner layers grouped by layout: ``{LayerKVSpec (reuses None): (layer, ...)}``, in
+        first-seen order. Layers of one group have buffers of one shape."""
+        groups: dict = {}
+        for i in self.owner_layers:
+            groups.setdefault(self.layers[i].layout, []).append(i)
+        return {layout: tuple(indices) for layout, indices in groups.items()}
 
     @property
     def itemsize(self) -> int:
@@ -60,8 +145,8 @@ class KVCacheSpec:
 
     @property
     def bytes_per_token(self) -> int:
-        """Bytes of K and V of one token, all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.itemsize
+        """Bytes of K and V of one token, summed over the layers that own buffers."""
+        return sum(layer.elements_per_token for layer in self.layers) * self.itemsize
 
     @property
     def bytes_per_block(self) -> int:
@@ -71,6 +156,11 @@ class KVCacheSpec:
     def blocks_for_tokens(self, num_tokens: int) -> int:
         """Blocks one sequence of ``num_tokens`` tokens needs."""
         return -(-num_tokens // self.block_size)
+
+
+def _check_positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
 def free_ram_bytes() -> int:
@@ -187,11 +277,12 @@ _BACKENDS = ("numpy", "torch", "cupy")
 
 
 class PagedKVCache:
-    """Per-layer K and V buffers ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+    """Per-layer K and V buffers, shaped by ``spec.layers`` (see the module docstring).
 
     ``backend``: "numpy" (numpy arrays), "torch" (CPU tensors), "cupy" (GPU arrays; each
     also viewable zero-copy as a torch CUDA tensor through DLPack, ``torch_key_cache``).
-    Buffers start zeroed.
+    Buffers start zeroed. Only layers that own buffers allocate; ``key_cache(l)`` of a
+    layer that reuses another's returns its owner's buffer (the same object).
     """
 
     def __init__(self, spec: KVCacheSpec, num_blocks: int, backend: str = "numpy") -> None:
@@ -201,9 +292,14 @@ class PagedKVCache:
             raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
         self.spec, self.num_blocks, self.backend = spec, num_blocks, backend
         self._xp = _array_module(backend)
-        shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-        self._k = [self._zeros(shape) for _ in range(spec.num_layers)]
-        self._v = [self._zeros(shape) for _ in range(spec.num_layers)]
+        own_k, own_v = {}, {}
+        for i in spec.owner_layers:
+            layer = spec.layers[i]
+            own_k[i] = self._zeros((num_blocks, spec.block_size, layer.k_heads, layer.k_head_dim))
+            own_v[i] = self._zeros((num_blocks, spec.block_size, layer.v_heads, layer.v_head_dim))
+        self._k = [own_k[spec.owner_of(i)] for i in range(spec.num_layers)]
+        self._v = [own_v[spec.owner_of(i)] for i in range(spec.num_layers)]
+        self._owned = [*own_k.values(), *own_v.values()]
 
     def _zeros(self, shape: tuple) -> Any:
         if self.backend == "torch":
@@ -214,7 +310,7 @@ class PagedKVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by all K and V buffers."""
+        """Bytes held by all K and V buffers (each shared buffer once)."""
         return self.num_blocks * self.spec.bytes_per_block
 
     def _live(self) -> None:
@@ -239,7 +335,7 @@ class PagedKVCache:
     def copy_blocks(self, block_copies) -> None:
         """Copy-on-write: for each ``(src, dst)`` row of int ``[K, 2]``, block dst := block src.
 
-        One fancy-index copy per layer and buffer (sources are read before any write, so a
+        One fancy-index copy per owned buffer (sources are read before any write, so a
         block may be both a source and a destination). Destinations must be distinct.
         """
         self._live()
@@ -251,7 +347,7 @@ class PagedKVCache:
         if np.unique(pairs[:, 1]).shape[0] != pairs.shape[0]:
             raise ValueError("block_copies has a repeated destination block")
         src, dst = self._index(pairs[:, 0]), self._index(pairs[:, 1])
-        for buf in (*self._k, *self._v):
+        for buf in self._owned:
             buf[dst] = buf[src]
 
     def _index(self, ids: np.ndarray) -> Any:
@@ -262,12 +358,13 @@ class PagedKVCache:
     def zero(self) -> None:
         """Zero every buffer in place."""
         self._live()
-        for buf in (*self._k, *self._v):
+        for buf in self._owned:
             buf[...] = 0
 
     def free(self) -> None:
         """Drop the buffers (device memory returns to the pool once no view holds them)."""
         self._k = self._v = None
+        self._owned = []
         if self.backend == "cupy":
             self._xp.get_default_memory_pool().free_all_blocks()
 

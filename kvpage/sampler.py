@@ -4,6 +4,10 @@ Implements ``kvpage.interfaces.Sampler``. Greedy rows take one batched argmax. S
 rows get temperature, top-k, top-p and min-p applied as batched tensor ops; a seeded
 request draws from a generator seeded by (its seed, its output position), so its samples
 depend on nothing else in the batch and the sampler keeps no per-request state.
+Until a request has ``min_tokens`` output tokens, its EOS ids (the request's and the
+model's, even with ``ignore_eos``) and ``stop_token_ids`` cannot be drawn: their logits are
+set to -inf for greedy and sampled rows alike, in one scatter for the batch (vLLM's
+``min_tokens``; HF's ``min_new_tokens`` does the same for EOS).
 Log-probabilities are of the model's raw distribution (before penalties and filters),
 for generated tokens (``logprobs``) and for prompt tokens (``prompt_logprobs``).
 A request with ``n > 1`` at its first token also gets its other samples' first tokens
@@ -25,8 +29,12 @@ _SEED_STRIDE = 0x9E3779B1  # spreads (seed, position) pairs over the generator's
 
 
 class Sampler:
-    def __init__(self, seed: int = 0) -> None:
+    """``eos_token_ids``: the model's EOS ids, all masked under ``min_tokens`` (a request's
+    own ``eos_token_id`` always is)."""
+
+    def __init__(self, seed: int = 0, eos_token_ids: Sequence[int] = ()) -> None:
         self._global = torch.Generator().manual_seed(seed)
+        self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
 
     @staticmethod
     def _generator(seed: int, position: int) -> torch.Generator:
@@ -56,7 +64,8 @@ class Sampler:
         num_rows = logits.shape[0]
         tokens = torch.argmax(logits, dim=-1) if greedy_tokens is None else greedy_tokens
         sampled_rows = [i for i, p in enumerate(params_list) if not p.greedy]
-        adjusted = self._apply_penalties(logits, requests, params_list)
+        adjusted = self._mask_stops_before_min_tokens(self._apply_penalties(logits, requests, params_list), logits,
+                                                      requests, params_list, positions)
         if sampled_rows:
             rows = torch.tensor(sampled_rows)
             probs = self._filtered_probs(adjusted[rows], [params_list[i] for i in sampled_rows])
@@ -107,6 +116,29 @@ class Sampler:
             # An extreme penalty must not overflow: keep the logits finite so they stay drawable.
             row.clamp_(-_LOGIT_LIMIT, _LOGIT_LIMIT)
         return logits
+
+    def _mask_stops_before_min_tokens(self, adjusted: torch.Tensor, logits: torch.Tensor, requests: Sequence[Request],
+                                      params_list: list, positions: Sequence[int]) -> torch.Tensor:
+        """``adjusted`` with the EOS and stop ids of rows still short of ``min_tokens`` at -inf
+        (a copy if ``adjusted`` is ``logits`` itself); the rows' ids are gathered per row, the
+        logits written in one indexed assignment."""
+        rows: list[int] = []
+        cols: list[int] = []
+        for i, (request, params, position) in enumerate(zip(requests, params_list, positions)):
+            if position < params.min_tokens:
+                ids = {*self.eos_token_ids, *params.stop_token_ids}
+                if request.eos_token_id is not None:
+                    ids.add(int(request.eos_token_id))
+                rows += [i] * len(ids)
+                cols += ids
+        if not rows:
+            return adjusted
+        if adjusted is logits:
+            adjusted = logits.clone()
+        index_rows, index_cols = torch.tensor(rows), torch.tensor(cols)
+        inside = index_cols < adjusted.shape[1]  # a stop id past the vocabulary is never drawn anyway
+        adjusted[index_rows[inside], index_cols[inside]] = float("-inf")
+        return adjusted
 
     @staticmethod
     def prompt_logprobs(logits: torch.Tensor, token_ids: np.ndarray, num_top: Sequence[int]) -> list:

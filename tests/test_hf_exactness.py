@@ -80,6 +80,42 @@ def test_preemption_recompute_is_exact(family_model):
     assert stats["num_preemptions"] > 0
 
 
+def _hf_generate(model, prompt, max_new, eos, min_new=0) -> list[int]:
+    with torch.inference_mode():
+        ids = torch.tensor([prompt])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, min_new_tokens=min_new,
+                             do_sample=False, eos_token_id=eos, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def test_min_tokens_masks_eos_and_stop_ids_like_hf(family_model):
+    """``min_tokens=n`` with ``ignore_eos`` equals HF ``generate(min_new_tokens=n, max_new_tokens=n)``.
+
+    The model's EOS is set to the token greedy decoding emits first, and the stop id to the
+    token it emits first once EOS is masked, so without the mask both would end the output
+    at once (asserted through HF itself): the test proves the mask, not a lucky run.
+    """
+    family, model = family_model
+    n = 6
+    prompts = _prompts(10, (3, 8, 13))
+    eos = hf_greedy(model, prompts[0], 1)[0]
+    assert _hf_generate(model, prompts[0], n, eos=eos)[0] == eos  # HF alone would stop on EOS right away
+    stop = _hf_generate(model, prompts[0], 1, eos=eos, min_new=1)[0]  # the winner once EOS is masked
+    assert stop != eos
+    expected = [_hf_generate(model, p, n, eos=[eos, stop], min_new=n) for p in prompts]
+    assert all(eos not in e and stop not in e for e in expected)
+    saved = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = eos
+    llm = LLM(model, block_size=4, num_kv_blocks=64, max_num_batched_tokens=7, max_model_len=128)
+    try:
+        params = SamplingParams(max_tokens=n, min_tokens=n, temperature=0, ignore_eos=True, stop_token_ids=[stop])
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        llm.restore()
+        model.generation_config.eos_token_id = saved
+    assert got == expected, family
+
+
 @pytest.mark.parametrize("family", EXTENDED_FAMILIES)
 def test_extended_families_match_hf(family):
     model = tiny_model(family)
@@ -87,6 +123,24 @@ def test_extended_families_match_hf(family):
     expected = [hf_greedy(model, p, MAX_NEW) for p in prompts]
     got, _ = _run(model, prompts, max_model_len=128, block_size=4, num_kv_blocks=48, max_num_batched_tokens=6)
     assert got == expected, family
+
+
+@pytest.mark.parametrize("family, k_dim, v_dim, reuses", [
+    ("deepseek_v3", 24, 8, [None, None]),  # MLA: K = nope 16 + rope 8, V 8
+    ("gemma3n_text", 16, 16, [None, None, 0, 1]),  # the last two layers read the last sliding / full layer
+    ("diffllama", 16, 16, [None] * 4),  # two attention calls per layer: four call sites for two layers
+])
+def test_per_layer_kv_spec(family, k_dim, v_dim, reuses):
+    llm = LLM(tiny_model(family), block_size=4, num_kv_blocks=8, max_model_len=32)
+    try:
+        spec = llm.engine.runner.kv_cache.spec
+        assert [(layer.k_head_dim, layer.v_head_dim, layer.reuses) for layer in spec.layers] == \
+            [(k_dim, v_dim, r) for r in reuses]
+        owners = [spec.layers[i] for i in spec.owner_layers]
+        assert spec.bytes_per_token == 4 * sum(l.k_heads * l.k_head_dim + l.v_heads * l.v_head_dim for l in owners)
+        assert llm.engine.runner.kv_cache.nbytes == 8 * spec.bytes_per_block  # reusing layers allocate nothing
+    finally:
+        llm.restore()
 
 
 @pytest.mark.parametrize("family", UNSUPPORTED_FAMILIES)

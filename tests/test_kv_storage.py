@@ -8,15 +8,15 @@ import numpy as np
 import pytest
 
 from kvpage.kv_storage import (CPU_EXPECTED_SEQ_TOKENS, CPU_MAX_FREE_RAM_FRACTION, CPU_MAX_KV_BYTES,
-                               KVCacheSpec, PagedKVCache, determine_num_blocks, free_ram_bytes)
+                               KVCacheSpec, LayerKVSpec, PagedKVCache, determine_num_blocks, free_ram_bytes)
 
-SPEC = KVCacheSpec(num_layers=2, num_kv_heads=4, head_dim=8, block_size=16, dtype="float16")
+SPEC = KVCacheSpec.uniform(num_layers=2, num_kv_heads=4, head_dim=8, block_size=16, dtype="float16")
 BPB = 2 * 2 * 4 * 8 * 2 * 16  # K+V x layers x heads x head_dim x bytes x tokens
 
 
 def test_spec_bytes():
     assert SPEC.bytes_per_block == BPB
-    assert KVCacheSpec(1, 1, 1, 1, "float32").bytes_per_block == 8
+    assert KVCacheSpec.uniform(1, 1, 1, 1, "float32").bytes_per_block == 8
     assert SPEC.blocks_for_tokens(17) == 2
 
 
@@ -24,7 +24,51 @@ def test_spec_bytes():
 def test_spec_rejects_bad_fields(bad):
     fields = dict(num_layers=1, num_kv_heads=1, head_dim=8, block_size=16, dtype="float32") | bad
     with pytest.raises(ValueError):
-        KVCacheSpec(**fields)
+        KVCacheSpec.uniform(**fields)
+
+
+# Per layer: an MLA-style layer (K head 24, V head 16), a GQA layer, and a layer reusing layer 1's KV.
+MIXED = KVCacheSpec((LayerKVSpec(4, 24, 4, 16), LayerKVSpec.symmetric(2, 8), LayerKVSpec.symmetric(2, 8, reuses=1)),
+                    block_size=4, dtype="float32")
+
+
+def test_per_layer_spec_bytes_follow_each_layer():
+    # Layer 0: 4*24 + 4*16 = 160 elements; layer 1: 2*8 * 2 = 32; layer 2 allocates nothing.
+    assert MIXED.bytes_per_token == (160 + 32) * 4
+    assert MIXED.bytes_per_block == 4 * MIXED.bytes_per_token
+    assert MIXED.owner_layers == (0, 1) and [MIXED.owner_of(i) for i in range(3)] == [0, 1, 1]
+    assert MIXED.layers_by_layout() == {LayerKVSpec(4, 24, 4, 16): (0,), LayerKVSpec(2, 8, 2, 8): (1,)}
+    uniform = KVCacheSpec.uniform(3, 2, 8, block_size=4)
+    assert uniform.layers_by_layout() == {LayerKVSpec(2, 8, 2, 8): (0, 1, 2)}
+    assert determine_num_blocks(MIXED, kv_cache_memory=10 * MIXED.bytes_per_block, max_model_len=8) == 10
+
+
+@pytest.mark.parametrize("layers, match", [
+    ((), "non-empty"),
+    ((LayerKVSpec.symmetric(2, 8, reuses=0),), "earlier layer"),
+    ((LayerKVSpec.symmetric(2, 8), LayerKVSpec.symmetric(2, 4, reuses=0)), "layout differs"),
+    ((LayerKVSpec.symmetric(2, 8), LayerKVSpec.symmetric(2, 8, reuses=0), LayerKVSpec.symmetric(2, 8, reuses=1)),
+     "earlier layer"),
+])
+def test_per_layer_spec_rejects_bad_layouts(layers, match):
+    with pytest.raises(ValueError, match=match):
+        KVCacheSpec(layers, block_size=4)
+    with pytest.raises(ValueError, match="v_head_dim"):
+        LayerKVSpec(2, 8, 2, 0)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+def test_per_layer_buffers(backend):
+    if backend == "torch":
+        pytest.importorskip("torch")
+    cache = PagedKVCache(MIXED, 5, backend=backend)
+    assert tuple(cache.key_cache(0).shape) == (5, 4, 4, 24) and tuple(cache.value_cache(0).shape) == (5, 4, 4, 16)
+    assert cache.key_cache(2) is cache.key_cache(1) and cache.value_cache(2) is cache.value_cache(1)
+    owned = [cache.key_cache(0), cache.value_cache(0), cache.key_cache(1), cache.value_cache(1)]
+    assert sum(int(b.nbytes) for b in owned) == cache.nbytes == 5 * MIXED.bytes_per_block
+    cache.key_cache(1)[3] = 2
+    cache.copy_blocks([[3, 4]])  # the shared buffer is copied once, and seen through both layers
+    assert float(cache.key_cache(2)[4].sum()) == 2 * 4 * 2 * 8
 
 
 def test_explicit_num_blocks_wins():
@@ -61,7 +105,7 @@ def test_cpu_default_capped_by_free_ram_and_absolute_cap():
     free = 1000 * BPB
     n = determine_num_blocks(SPEC, max_num_seqs=256, max_model_len=64, free_ram_bytes=free)
     assert n == int(free * CPU_MAX_FREE_RAM_FRACTION) // BPB
-    big = KVCacheSpec(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype="float32")
+    big = KVCacheSpec.uniform(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype="float32")
     n = determine_num_blocks(big, max_num_seqs=1024, max_model_len=2048, free_ram_bytes=1 << 50)
     assert n == CPU_MAX_KV_BYTES // big.bytes_per_block
 
@@ -120,7 +164,7 @@ def _snapshot(cache):
 def test_copy_blocks(backend):
     if backend == "torch":
         pytest.importorskip("torch")
-    spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, dtype="float32")
+    spec = KVCacheSpec.uniform(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, dtype="float32")
     cache = PagedKVCache(spec, 8, backend=backend)
     _fill(cache, np.random.default_rng(0))
     before = _snapshot(cache)
@@ -139,7 +183,7 @@ def test_copy_blocks(backend):
 
 
 def test_zero_and_free():
-    cache = PagedKVCache(KVCacheSpec(1, 1, 2, 2, "float32"), 3)
+    cache = PagedKVCache(KVCacheSpec.uniform(1, 1, 2, 2, "float32"), 3)
     cache.key_cache(0)[...] = 1
     cache.zero()
     assert not cache.key_cache(0).any()
@@ -150,10 +194,10 @@ def test_zero_and_free():
 
 def test_torch_bfloat16_buffers():
     torch = pytest.importorskip("torch")
-    cache = PagedKVCache(KVCacheSpec(1, 2, 4, 8, "bfloat16"), 3, backend="torch")
+    cache = PagedKVCache(KVCacheSpec.uniform(1, 2, 4, 8, "bfloat16"), 3, backend="torch")
     assert cache.key_cache(0).dtype == torch.bfloat16
     with pytest.raises(ValueError, match="bfloat16"):
-        PagedKVCache(KVCacheSpec(1, 2, 4, 8, "bfloat16"), 3, backend="numpy")
+        PagedKVCache(KVCacheSpec.uniform(1, 2, 4, 8, "bfloat16"), 3, backend="numpy")
 
 
 def test_bad_cache_args():

@@ -263,3 +263,38 @@ def test_merge_places_rows_and_fills_missing_ones():
     assert merged.token_ids.tolist() == [0, int(torch.argmax(logits[1]))]
     assert list(merged.forks) == [1] and merged.forks[1] is forked.forks[0]
     assert merged.invalid_rows == []
+
+
+def test_min_tokens_masks_eos_and_stop_ids_greedy_and_sampled():
+    """EOS (the request's and the model's, even with ignore_eos) and stop ids carry all the
+    mass; until min_tokens output tokens exist they are never drawn, then they win again."""
+    logits = torch.full((1, V), -40.0)  # never drawn
+    logits[0, [2, 3, 9]] = 10.0  # 2: request EOS, 3: a second model EOS, 9: a stop id
+    logits[0, 11] = 0.0  # the best token left
+    sampler = Sampler(eos_token_ids=[2, 3])
+
+    def draw(params, produced, rows=1):
+        requests = [Request(f"r{i}", [1], params, eos_token_id=2) for i in range(rows)]
+        for r in requests:
+            r.all_token_ids += [0] * produced
+        return tokens(sampler.sample(logits.expand(rows, -1), requests))
+
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(temperature=temperature, min_tokens=3, max_tokens=8, stop_token_ids=[9],
+                                ignore_eos=True)  # unseeded: every sampled row is its own draw
+        assert set(draw(params, 0, rows=32)) == {11}  # masked for greedy and for every sampled draw
+        assert set(draw(params, 2, rows=32)) == {11}
+        assert set(draw(params, 3, rows=32)) <= {2, 3, 9}  # min_tokens reached: no mask
+    unmasked = SamplingParams(temperature=0, max_tokens=8)
+    assert draw(unmasked, 0) in ([2], [3], [9])
+
+
+def test_min_tokens_keeps_raw_logprobs_and_ignores_ids_past_the_vocabulary():
+    logits = random_logits(1, seed=4, scale=3.0)
+    top = int(torch.argmax(logits))
+    params = SamplingParams(temperature=0, min_tokens=2, logprobs=0, stop_token_ids=[top, V + 5])
+    result = Sampler().sample(logits, [req(params)])
+    assert tokens(result)[0] != top
+    raw = torch.log_softmax(logits[0], dim=-1)[tokens(result)[0]]
+    assert result.token_logprobs[0] == pytest.approx(float(raw), rel=1e-6)  # the model's, not the masked one
+    assert logits[0, top] > logits[0, tokens(result)[0]]  # the input logits are left untouched

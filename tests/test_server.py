@@ -121,6 +121,24 @@ def test_stop_strings_and_max_tokens(client):
                                      temperature=0).usage.completion_tokens == 3
 
 
+def test_min_tokens_masks_stop_ids_through_the_server(client, offline):
+    """vLLM's ``min_tokens``: the stop id the model wants first is masked until min_tokens
+    tokens exist, so the request runs to its length; offline and served agree."""
+    prompt = "Hello there"
+    first = offline.generate([prompt], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)[0]
+    stop = first.outputs[0].token_ids[0]
+    early = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0,
+                                      extra_body={"stop_token_ids": [stop]})
+    assert early.choices[0].finish_reason == "stop" and early.usage.completion_tokens == 1  # it would stop at once
+    out = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0,
+                                    extra_body={"stop_token_ids": [stop], "min_tokens": 6})
+    params = SamplingParams(max_tokens=6, min_tokens=6, temperature=0, stop_token_ids=[stop])
+    expected = offline.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert stop not in expected.token_ids and len(expected.token_ids) == 6
+    assert out.choices[0].text == expected.text and out.choices[0].finish_reason == "length"
+    assert out.usage.completion_tokens == 6
+
+
 def test_cached_tokens_are_reported(client):
     prefix = "a shared prefix that is long enough to fill blocks: "
     client.completions.create(model="tiny", prompt=prefix + "one", max_tokens=1, temperature=0)

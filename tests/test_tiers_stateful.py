@@ -39,7 +39,7 @@ PREFIXES = ([5, 6, 7, 8, 9, 10, 11, 12], [5, 6, 7, 8, 20, 21, 22, 23, 24, 25, 26
 EXAMPLES = 60
 STEPS_PER_EXAMPLE = 80
 DRAIN_STEPS = 2000
-SPEC = KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=2, block_size=BS, dtype="float32")
+SPEC = KVCacheSpec.uniform(num_layers=1, num_kv_heads=1, head_dim=2, block_size=BS, dtype="float32")
 
 totals = {"host_loads": 0, "disk_loads": 0, "host_stores": 0, "disk_saves": 0, "corrupt": 0, "faults": 0,
           "drained": 0}

@@ -17,6 +17,8 @@ def _configs() -> dict:
     import transformers as tf
 
     llama_like = dict(COMMON)
+    mla = dict(COMMON, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
+               qk_nope_head_dim=16, v_head_dim=8)
     return {
         "llama": lambda: tf.LlamaConfig(**llama_like),
         "mistral": lambda: tf.MistralConfig(**llama_like, sliding_window=8),
@@ -56,6 +58,17 @@ def _configs() -> dict:
         "cohere": lambda: tf.CohereConfig(**llama_like),
         "granite": lambda: tf.GraniteConfig(**llama_like),
         "smollm3": lambda: tf.SmolLM3Config(**llama_like),
+        # Per-layer KV layouts: MLA (V's head smaller than K's) and cross-layer KV sharing.
+        "deepseek_v3": lambda: tf.DeepseekV3Config(**mla, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+                                                   topk_group=1, moe_intermediate_size=32, first_k_dense_replace=1),
+        "minicpm3": lambda: tf.MiniCPM3Config(**mla),
+        # Differential attention: two attention calls per layer, each with its own half of V.
+        "diffllama": lambda: tf.DiffLlamaConfig(**llama_like),
+        "gemma3n_text": lambda: tf.Gemma3nTextConfig(
+            **{**llama_like, "num_hidden_layers": 4, "intermediate_size": [96] * 4}, head_dim=16, sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2,
+            vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8, laurel_rank=8,
+            activation_sparsity_pattern=[0.0] * 4),
         # Not supported: attention bypasses the interface, or there is no attention at all.
         "bloom": lambda: tf.BloomConfig(vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4),
         "stablelm": lambda: tf.StableLmConfig(**llama_like),
@@ -66,7 +79,8 @@ def _configs() -> dict:
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3", "gpt2", "gpt_neox", "opt"]
 EXTENDED_FAMILIES = ["gpt_oss", "gpt_bigcode", "gptj", "codegen", "starcoder2", "phi", "mixtral", "olmo2", "cohere",
-                     "granite", "smollm3", "stablelm", "nemotron"]
+                     "granite", "smollm3", "stablelm", "nemotron", "deepseek_v3", "minicpm3", "gemma3n_text",
+                     "diffllama"]
 UNSUPPORTED_FAMILIES = ["bloom", "mamba"]
 
 

@@ -22,6 +22,10 @@ absolute times swing 2-4x between runs; ratios come from interleaved calls
   -> prefill uses torch (the numba tile kernel stays as the torch-free path for numpy
   inputs, and for softcap/sinks it avoids the fp32 math fallback).
 
+K and V of different shapes (MLA models such as DeepSeek-V2/V3 and MiniCPM3, whose V head
+is smaller than K's) always take the torch backend, both phases: the numba kernels read K
+and V of one shape (``kv_layouts_differ``).
+
 Numba and torch each keep an OpenMP thread pool; when calls alternate, one pool's
 spinning threads can slow the other on a small machine. ``NUMBA_THREADING_LAYER``
 (e.g. "workqueue") is left to the deployment.
@@ -111,6 +115,11 @@ def prepare_cpu_attention_metadata(query_start_loc, seq_lens, block_tables, slot
     return CPUAttentionMetadata(qsl, lens, tables, decodes_of(qsl, num_decodes), slots)
 
 
+def kv_layouts_differ(key_cache, value_cache) -> bool:
+    """True when K and V rows differ in heads or head size (then only torch serves them)."""
+    return tuple(key_cache.shape[2:]) != tuple(value_cache.shape[2:])
+
+
 def _numba_available() -> bool:
     try:
         import numba  # noqa: F401
@@ -143,9 +152,11 @@ def paged_attention_cpu(
 
     Pass either the three index arrays (numpy or torch) or ``metadata=`` (preferred: built
     once per step). ``q`` is ``[T, H, D]``; caches ``[num_blocks, block_size, H_kv, D]``
-    of the same dtype (float32/float16/bfloat16). Output has ``q``'s dtype.
+    of the same dtype (float32/float16/bfloat16); V's heads and head size may differ from
+    K's (then the output is ``[T, H, D_v]``). Output has ``q``'s dtype.
     Backends: ``"numba"`` or ``"torch"`` per phase (defaults ``DECODE_BACKEND`` /
     ``PREFILL_BACKEND``); numpy inputs use numba (the reference if numba is missing).
+    K and V of different shapes always take torch (the reference for numpy inputs).
     """
     if scaling is None:
         raise ValueError("scaling is required")
@@ -155,10 +166,10 @@ def paged_attention_cpu(
         metadata = prepare_cpu_attention_metadata(query_start_loc, seq_lens, block_tables)
     decode_backend = decode_backend or DECODE_BACKEND
     prefill_backend = prefill_backend or PREFILL_BACKEND
-    if not _numba_available():
+    if not _numba_available() or kv_layouts_differ(key_cache, value_cache):
         decode_backend = prefill_backend = "torch"
     if not _is_torch(q):
-        if decode_backend == "torch":  # numba missing: the numpy oracle is the only numpy path
+        if decode_backend == "torch":  # numba missing or unfit: the numpy oracle is the only numpy path
             from .reference import paged_attention_reference
 
             return paged_attention_reference(q, key_cache, value_cache, metadata.query_start_loc,

@@ -7,7 +7,9 @@ Semantics shared by all backends (positions are absolute within a sequence):
   * scores are ``q . k * scaling``; with ``softcap`` c they become ``c * tanh(score / c)``;
   * with ``sinks`` (one logit per query head) the softmax denominator gains
     ``exp(sink)``, and the sink contributes no value (gpt-oss);
-  * query head h reads KV head ``h // (num_heads // num_kv_heads)`` (GQA/MQA).
+  * query head h reads KV head ``h // (num_heads // num_kv_heads)`` (GQA/MQA), where K
+    and V may differ in head count and V in head size ``D_v`` (MLA models): the output is
+    ``[T, num_heads, D_v]``.
 Accumulation is in float32; the output has ``q``'s dtype.
 """
 from __future__ import annotations
@@ -47,11 +49,11 @@ def paged_attention_reference(
     sinks: Optional[np.ndarray] = None,
 ) -> np.ndarray:
     num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = key_cache.shape[2]
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-    group = num_heads // num_kv_heads
-    out = np.zeros((num_tokens, num_heads, head_dim), dtype=np.float32)
+    for cache in (key_cache, value_cache):
+        if num_heads % cache.shape[2]:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({cache.shape[2]})")
+    k_group, v_group = num_heads // key_cache.shape[2], num_heads // value_cache.shape[2]
+    out = np.zeros((num_tokens, num_heads, value_cache.shape[3]), dtype=np.float32)
     qsl = np.asarray(query_start_loc, dtype=np.int64)
     for i, seq_len in enumerate(np.asarray(seq_lens, dtype=np.int64).tolist()):
         start, end = int(qsl[i]), int(qsl[i + 1])
@@ -59,8 +61,8 @@ def paged_attention_reference(
             continue
         keys = gather_context(key_cache, block_tables[i], seq_len).astype(np.float32)
         values = gather_context(value_cache, block_tables[i], seq_len).astype(np.float32)
-        keys = np.repeat(keys, group, axis=1)  # [S, H, D]
-        values = np.repeat(values, group, axis=1)
+        keys = np.repeat(keys, k_group, axis=1)  # [S, H, D]
+        values = np.repeat(values, v_group, axis=1)  # [S, H, D_v]
         queries = q[start:end].astype(np.float32)  # [Q, H, D]
         scores = np.einsum("qhd,shd->hqs", queries, keys) * np.float32(scaling)
         if softcap:

@@ -43,9 +43,8 @@ def write_kv_torch(key_cache: torch.Tensor, value_cache: torch.Tensor, k: torch.
                    slot_mapping) -> None:
     """Scatter ``k``/``v`` ``[T, H_kv, D]`` into flat slots ``slot_mapping`` ``[T]`` in place."""
     slots = as_long(slot_mapping)
-    num_kv_heads, head_dim = key_cache.shape[2:]
-    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k.to(key_cache.dtype))
-    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v.to(value_cache.dtype))
+    key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slots, k.to(key_cache.dtype))
+    value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, slots, v.to(value_cache.dtype))
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
@@ -53,6 +52,15 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     # index_select on the flattened ids: measured ~4x faster than ``cache[block_ids]`` (2-D advanced indexing).
     rows = torch.index_select(cache, 0, block_ids.reshape(-1))
     return rows.view(*block_ids.shape[:-1], -1, *cache.shape[2:])
+
+
+def _same_heads(k: torch.Tensor, v: torch.Tensor, num_heads: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gathered ``k`` and ``v`` with one head count along ``dim``: unchanged when they agree
+    (the usual case), else both repeated up to the ``num_heads`` query heads."""
+    if k.shape[dim] == v.shape[dim]:
+        return k, v
+    return (k.repeat_interleave(num_heads // k.shape[dim], dim=dim),
+            v.repeat_interleave(num_heads // v.shape[dim], dim=dim))
 
 
 def _allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, k_len: torch.Tensor, window: Optional[int]) -> torch.Tensor:
@@ -89,14 +97,17 @@ def _attend_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
 def decode_torch(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, seq_lens: torch.Tensor,
                  block_tables: torch.Tensor, scaling: float, sliding_window: Optional[int] = None,
                  softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Batched decode: ``q [B, H, D]`` (one row per sequence), int64 ``seq_lens [B]``, ``block_tables [B, *]``."""
+    """Batched decode: ``q [B, H, D]`` (one row per sequence), int64 ``seq_lens [B]``, ``block_tables [B, *]``;
+    returns ``[B, H, D_v]``."""
     num_seqs, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    group = num_heads // num_kv_heads
+    block_size = key_cache.shape[1]
     max_blocks = -(-int(seq_lens.max()) // block_size)
     ids = block_tables[:, :max_blocks]
     k = _gather(key_cache, ids).transpose(1, 2)  # [B, H_kv, S, D] (a view of the gathered copy)
     v = _gather(value_cache, ids).transpose(1, 2)
+    k, v = _same_heads(k, v, num_heads, dim=1)
+    num_kv_heads = k.shape[1]
+    group = num_heads // num_kv_heads
     k_pos = torch.arange(max_blocks * block_size).view(1, 1, 1, -1)
     lens = seq_lens.view(-1, 1, 1, 1)
     mask = _allowed(lens - 1, k_pos, lens, sliding_window)  # [B, 1, 1, S]
@@ -108,19 +119,22 @@ def decode_torch(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
         full = not sliding_window and bool((seq_lens == max_blocks * block_size).all())
         attn_mask = None if full else _additive(mask, q.dtype)  # nothing to mask: let SDPA skip it
         out = F.scaled_dot_product_attention(qg, k, v, attn_mask=attn_mask, scale=scaling)
-    return out.reshape(num_seqs, num_heads, head_dim)
+    return out.reshape(num_seqs, num_heads, v.shape[-1])
 
 
 def prefill_one_torch(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, seq_len: int,
                       block_ids: torch.Tensor, scaling: float, sliding_window: Optional[int] = None,
                       softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """One sequence: ``q [Q, H, D]`` are the last ``Q`` positions of a ``seq_len``-token context."""
+    """One sequence: ``q [Q, H, D]`` are the last ``Q`` positions of a ``seq_len``-token context;
+    returns ``[Q, H, D_v]``."""
     q_len, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    group = num_heads // num_kv_heads
+    block_size = key_cache.shape[1]
     ids = block_ids[: -(-seq_len // block_size)]
     k = _gather(key_cache, ids)[:seq_len].transpose(0, 1)  # [H_kv, L, D]
     v = _gather(value_cache, ids)[:seq_len].transpose(0, 1)
+    k, v = _same_heads(k, v, num_heads, dim=0)
+    num_kv_heads = k.shape[0]
+    group = num_heads // num_kv_heads
     if not softcap and sinks is None:
         # 4-D with enable_gqa takes SDPA's blocked CPU kernel (3-D / grouped rows fall back to
         # a ~5x slower path); is_causal is top-left aligned, right only when q_len == seq_len.
@@ -134,8 +148,8 @@ def prefill_one_torch(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     sink = None if sinks is None else sinks.view(num_kv_heads, group, 1, 1).expand(-1, -1, q_len, 1).reshape(
         num_kv_heads, group * q_len, 1)
     mask = _prefill_mask(q_len, seq_len, sliding_window).repeat(group, 1)
-    out = _attend_math(qg, k, v, mask, scaling, softcap, sink)  # [H_kv, group * Q, D]
-    return out.reshape(num_heads, q_len, head_dim).transpose(0, 1)
+    out = _attend_math(qg, k, v, mask, scaling, softcap, sink)  # [H_kv, group * Q, D_v]
+    return out.reshape(num_heads, q_len, v.shape[-1]).transpose(0, 1)
 
 
 def _prefill_mask(q_len: int, seq_len: int, sliding_window: Optional[int]) -> torch.Tensor:
@@ -158,18 +172,21 @@ def paged_attention_torch(
     *,
     num_decodes: Optional[int] = None,
 ) -> torch.Tensor:
-    """The contract's ``paged_attention`` on torch CPU tensors; returns ``[T, H, D]`` in ``q``'s dtype.
+    """The contract's ``paged_attention`` on torch CPU tensors; returns ``[T, H, D_v]`` in ``q``'s dtype.
 
-    ``num_decodes`` leading sequences (default: the leading run of query length 1) take the
-    batched decode path; the rest go one sequence at a time (a loop over sequences, never
-    over tokens).
+    K and V may differ in head size (``D_v``, MLA) and in head count. ``num_decodes``
+    leading sequences (default: the leading run of query length 1) take the batched decode
+    path; the rest go one sequence at a time (a loop over sequences, never over tokens).
     """
-    if q.shape[1] % key_cache.shape[2]:
-        raise ValueError(f"num_heads ({q.shape[1]}) must be a multiple of num_kv_heads ({key_cache.shape[2]})")
+    for cache in (key_cache, value_cache):
+        if q.shape[1] % cache.shape[2]:
+            raise ValueError(f"num_heads ({q.shape[1]}) must be a multiple of num_kv_heads ({cache.shape[2]})")
+    if q.shape[2] != key_cache.shape[3]:
+        raise ValueError(f"head_dim mismatch: q has {q.shape[2]}, the key cache {key_cache.shape[3]}")
     qsl, lens, tables = as_long(query_start_loc), as_long(seq_lens), as_long(block_tables)
     sinks_t = None if sinks is None else torch.as_tensor(sinks, dtype=torch.float32)
     num_decodes = decodes_of(qsl.numpy(), num_decodes)
-    out = torch.empty_like(q)
+    out = q.new_empty((*q.shape[:2], value_cache.shape[3]))
     if num_decodes:
         out[:num_decodes] = decode_torch(q[:num_decodes], key_cache, value_cache, lens[:num_decodes],
                                          tables[:num_decodes], scaling, sliding_window, softcap, sinks_t)

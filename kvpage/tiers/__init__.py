@@ -39,7 +39,7 @@ def attach_kv_tiers(engine: Any, config: EngineConfig, spec: KVCacheSpec, kv_cac
         return
     disk, writable = None, False
     if offload.disk is not None and config.kv_disk_cache:
-        block_shape = (spec.num_layers, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        block_shape = disk_block_shape(spec)
         disk = DiskKVStore(config.kv_disk_cache, model_fingerprint(model, spec), block_shape,
                            kv_cache.torch_key_cache(0).dtype)
         writable, problem = disk.open()
@@ -54,3 +54,18 @@ def attach_kv_tiers(engine: Any, config: EngineConfig, spec: KVCacheSpec, kv_cac
              offload.host.num_slots * spec.bytes_per_block / 2**20,
              "" if disk is None else f", disk {offload.disk.num_slots} blocks at {disk.dir} "
              f"({len(offload.disk)} restored{'' if writable else ', read-only'})")
+
+
+def disk_block_shape(spec: Any) -> tuple:
+    """``[layers, block_size, heads, head_dim]`` of one block file's K (and V) tensor.
+
+    A file stacks the layers that own buffers, so the disk tier needs one layout for all of
+    them with K and V alike; models with per-layer or MLA layouts (K and V heads differ) use
+    the host tier only.
+    """
+    layouts = list(spec.layers_by_layout())
+    if len(layouts) != 1 or (layouts[0].k_heads, layouts[0].k_head_dim) != (layouts[0].v_heads, layouts[0].v_head_dim):
+        raise ValueError("the disk KV tier (--kv-disk-cache) needs every layer's K and V in one layout; this model's "
+                         f"layouts differ ({len(layouts)} layer layouts, K vs V {layouts[0]}): use the host tier "
+                         "(--kv-offloading-size) only")
+    return (len(spec.owner_layers), spec.block_size, layouts[0].k_heads, layouts[0].k_head_dim)

@@ -32,8 +32,9 @@ def model_fingerprint(model: Any, spec: KVCacheSpec) -> str:
     import torch
 
     digest = hashlib.sha256()
-    layout = (FINGERPRINT_VERSION, type(model).__name__, spec.num_layers, spec.num_kv_heads, spec.head_dim,
-              spec.block_size, spec.dtype)
+    layers = tuple((layer.k_heads, layer.k_head_dim, layer.v_heads, layer.v_head_dim, layer.reuses)
+                   for layer in spec.layers)
+    layout = (FINGERPRINT_VERSION, type(model).__name__, layers, spec.block_size, spec.dtype)
     digest.update(repr(layout).encode())
     digest.update(_config_json(model).encode())
     with torch.no_grad():

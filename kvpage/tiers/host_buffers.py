@@ -1,6 +1,6 @@
 """The host tier's memory, and the byte copies between it and the pool's buffers.
 
-Per layer one K and one V tensor ``[num_slots, block_size, num_kv_heads, head_dim]`` in
+Per layer that owns buffers one K and one V tensor ``[num_slots, block_size, heads, head_dim]`` in
 the pool's dtype: host slot ``s`` holds one block, the same layout as pool block ``b``
 (``kvpage.kv_storage``). When the pool is on a GPU the host tensors are pinned. Every copy
 is one gather and one scatter per layer and buffer, over all the step's blocks at once.
@@ -20,17 +20,17 @@ class HostKVBuffers:
     def __init__(self, kv_cache: PagedKVCache, num_slots: int) -> None:
         import torch
 
-        layers = range(kv_cache.spec.num_layers)
+        # Layers that reuse another layer's KV have no buffers of their own: nothing to copy.
+        layers = kv_cache.spec.owner_layers
         self.pool = [kv_cache.torch_key_cache(i) for i in layers] + [kv_cache.torch_value_cache(i) for i in layers]
-        first = self.pool[0]
-        self.device = first.device
+        self.device = self.pool[0].device
         self.num_slots = num_slots
-        self.num_layers = kv_cache.spec.num_layers
+        self.num_layers = len(layers)
         self.bytes_per_block = kv_cache.spec.bytes_per_block
         pin = self.device.type == "cuda"
-        # empty, not zeros: a large tier should not touch every page at start-up.
-        self.host = [torch.empty((num_slots, *first.shape[1:]), dtype=first.dtype, pin_memory=pin)
-                     for _ in self.pool]
+        # empty, not zeros: a large tier should not touch every page at start-up. Each host
+        # tensor takes its pool buffer's shape (K and V, and layers, may differ).
+        self.host = [torch.empty((num_slots, *buf.shape[1:]), dtype=buf.dtype, pin_memory=pin) for buf in self.pool]
 
     @property
     def nbytes(self) -> int:

@@ -1,0 +1,1 @@
+"""kvpage census: which transformers decoder families kvpage serves exactly."""

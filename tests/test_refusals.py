@@ -1,0 +1,46 @@
+"""Models kvpage cannot serve exactly are refused with a ValueError naming why, and left as they were.
+
+Tiny configs come from the census's generic shrinker, so each family keeps the layers that
+make it special (a hybrid keeps its state-space layers, a sparse model its indexer).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+tf = pytest.importorskip("transformers")
+
+from kvpage import LLM  # noqa: E402
+from kvpage.adapters.hf_runner import UnsupportedModelError  # noqa: E402
+from kvpage.census.tiny_config import tiny_config  # noqa: E402
+
+CASES = {
+    # recurrent state: named by the layer type the module implements
+    "mamba": (tf.MambaConfig, tf.MambaForCausalLM, "layer type 'mamba' keeps recurrent state"),
+    "jamba": (tf.JambaConfig, tf.JambaForCausalLM, "layer type 'mamba' keeps recurrent state"),
+    "qwen3_next": (tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM, "layer type 'gated_deltanet' keeps recurrent state"),
+    "nemotron_h": (tf.NemotronHConfig, tf.NemotronHForCausalLM, "layer type 'mamba' keeps recurrent state"),
+    "recurrent_gemma": (tf.RecurrentGemmaConfig, tf.RecurrentGemmaForCausalLM, "layer type 'rg_lru'"),
+    "lfm3": (tf.Lfm3Config, tf.Lfm3ForCausalLM, "layer type 'short_conv' keeps recurrent state"),
+    "rwkv": (tf.RwkvConfig, tf.RwkvForCausalLM, "layer type 'rwkv' keeps recurrent state"),
+    # keys chosen by an indexer with a cache of its own
+    "deepseek_v32": (tf.DeepseekV32Config, tf.DeepseekV32ForCausalLM, "'indexed_attention'"),
+    # attention mask/bias of the model's own making
+    "doge": (tf.DogeConfig, tf.DogeForCausalLM, "mask or bias of its own making"),
+    # positions counted from the model's own cache length
+    "bart": (tf.BartConfig, tf.BartForCausalLM, "ignores position_ids"),
+    # attention outside the interface
+    "bloom": (tf.BloomConfig, tf.BloomForCausalLM, "AttentionInterface"),
+}
+
+
+@pytest.mark.parametrize("family", list(CASES))
+def test_refused_with_the_reason(family):
+    config_class, model_class, reason = CASES[family]
+    torch.manual_seed(0)
+    model = model_class._from_config(tiny_config(config_class), dtype=torch.float32).eval()
+    before = model.config._attn_implementation
+    with pytest.raises(UnsupportedModelError, match=reason) as caught:
+        LLM(model, block_size=4, num_kv_blocks=16, max_model_len=32)
+    assert isinstance(caught.value, ValueError)
+    assert model.config._attn_implementation == before  # left as it was
