@@ -231,11 +231,12 @@ def test_stop_token_ids_end_the_request():
 
 def test_min_tokens_defers_eos():
     engine = make_engine(eos=(5,))
-    engine.add_request("A", greedy(max_tokens=6, min_tokens=3), request_id="s")
+    engine.add_request("A", greedy(max_tokens=10, min_tokens=3), request_id="s")
     run(engine)
     sample = engine.take_finished()["s"].outputs[0]
-    # EOS (5) is the second token: too early. The run ends at length instead.
-    assert sample.token_ids == [4, 5, 6, 7, 8, 9] and sample.finish_reason == "length"
+    # EOS (5) would be the second token: too early, so it is masked and the runner's next
+    # choice (0, all other logits tie) is drawn. Past min_tokens EOS is allowed again and ends it.
+    assert sample.token_ids == [4, 0, 1, 2, 3, 4, 5] and sample.finish_reason == "stop"
 
 
 def test_stop_string_ends_the_request_in_the_same_step_and_frees_blocks():
