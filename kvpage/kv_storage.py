@@ -79,8 +79,11 @@ class LayerKVSpec:
 class KVCacheSpec:
     """Shape of the KV cache of one model: one ``LayerKVSpec`` per attention layer.
 
-    Every layer that owns buffers has one K and one V buffer of ``num_blocks`` blocks (all
-    layers share one block table, so a block id means the same tokens in every layer).
+    Strictly, per attention *call site*: a layer that calls attention more than once per
+    forward (differential attention, a stack reused across recurrence cycles) has one entry
+    per call, in layer order. Every entry that owns buffers has one K and one V buffer of
+    ``num_blocks`` blocks (all share one block table, so a block id means the same tokens in
+    every layer).
 
     Attributes:
         layers: the layers' layouts, in layer order (``layers[i]`` is layer ``i``).

@@ -229,14 +229,17 @@ def test_stop_token_ids_end_the_request():
     assert (sample.token_ids, sample.finish_reason) == ([4, 5, 6, 7], "stop")
 
 
-def test_min_tokens_defers_eos():
+def test_min_tokens_masks_eos_until_reached():
     engine = make_engine(eos=(5,))
-    engine.add_request("A", greedy(max_tokens=10, min_tokens=3), request_id="s")
+    engine.add_request("A", greedy(max_tokens=6, min_tokens=3), request_id="s")
+    engine.add_request("A", greedy(max_tokens=6, min_tokens=1), request_id="t")
     run(engine)
-    sample = engine.take_finished()["s"].outputs[0]
-    # EOS (5) would be the second token: too early, so it is masked and the runner's next
-    # choice (0, all other logits tie) is drawn. Past min_tokens EOS is allowed again and ends it.
-    assert sample.token_ids == [4, 0, 1, 2, 3, 4, 5] and sample.finish_reason == "stop"
+    finished = engine.take_finished()
+    masked, allowed = finished["s"].outputs[0], finished["t"].outputs[0]
+    # The runner wants EOS (5) second. Under min_tokens=3 it cannot be drawn (its logit is
+    # -inf; the flat rest gives 0), so the run goes on to its length.
+    assert masked.token_ids == [4, 0, 1, 2, 3, 4] and masked.finish_reason == "length"
+    assert allowed.token_ids == [4, 5] and allowed.finish_reason == "stop"
 
 
 def test_stop_string_ends_the_request_in_the_same_step_and_frees_blocks():

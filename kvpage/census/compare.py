@@ -41,6 +41,7 @@ class ModeResult:
     status: str  # "exact" or "mismatch"
     difference: Optional[dict] = None
     stats: dict = field(default_factory=dict)
+    tokens: list = field(default_factory=list)  # kvpage's outputs, per prompt (not in ``as_dict``)
 
     def as_dict(self) -> dict:
         out: dict[str, Any] = {"status": self.status, **self.stats}
@@ -62,13 +63,15 @@ def census_prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
     return [prefix, prefix + draw(1), prefix + draw(3), prefix + draw(6), draw(2), draw(9), draw(13)]
 
 
-def hf_greedy(model: torch.nn.Module, prompt: Sequence[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
-    """HF's greedy continuation of one unpadded prompt (EOS ignored) and its top-2 margin per token."""
+def hf_greedy(model: torch.nn.Module, prompt: Sequence[int], max_new_tokens: int,
+              use_cache: bool = True) -> tuple[list[int], list[float]]:
+    """HF's greedy continuation of one unpadded prompt (EOS ignored) and its top-2 margin per
+    token; ``use_cache=False`` recomputes the whole sequence for every token instead."""
     with torch.inference_mode():
         ids = torch.tensor([list(prompt)], device=model.device)
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                              min_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
-                             output_scores=True, return_dict_in_generate=True)
+                             output_scores=True, return_dict_in_generate=True, use_cache=use_cache)
     margins = []
     for scores in out.scores:
         top = torch.topk(scores[0].float(), 2).values
@@ -137,13 +140,14 @@ def compare_with_hf(model: torch.nn.Module, prompts: list[list[int]], max_new_to
     for mode in MODES:
         got, stats = kvpage_greedy(model, prompts, max_new_tokens, mode, length)
         difference = first_difference(expected, got, margins)
-        results[mode] = ModeResult("exact" if difference is None else "mismatch", difference, stats)
+        results[mode] = ModeResult("exact" if difference is None else "mismatch", difference, stats, got)
     return results
 
 
-def hf_reference(model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int) -> tuple[list, list]:
+def hf_reference(model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int,
+                 use_cache: bool = True) -> tuple[list, list]:
     """HF's greedy tokens and margins for every prompt."""
-    pairs = [hf_greedy(model, prompt, max_new_tokens) for prompt in prompts]
+    pairs = [hf_greedy(model, prompt, max_new_tokens, use_cache) for prompt in prompts]
     return [tokens for tokens, _ in pairs], [margins for _, margins in pairs]
 
 

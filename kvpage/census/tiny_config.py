@@ -106,11 +106,12 @@ def tiny_overrides(config_class: type, repeats: int = 1, min_layers: int = 2) ->
             overrides[name] = tiny_overrides(type(sub), repeats, min_layers)
     plan = _layer_plan(default, values, fields, repeats, min_layers)
     heads = _first_int(values, _HEADS)
+    hidden = _first_int(values, sorted(_HIDDEN))
     for name, value in values.items():
         if name in overrides or hasattr(value, "to_dict"):
             continue
         class_default = fields[name].default if name in fields else value
-        new = _shrunk(name, value, class_default, plan, heads)
+        new = _shrunk(name, value, class_default, plan, heads, hidden)
         if new is not _KEEP:
             overrides[name] = new
     _keep_consistent(values, overrides)
@@ -177,11 +178,14 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _shrunk(name: str, value: Any, class_default: Any, plan: Optional[_LayerPlan], heads: Optional[int]) -> Any:
+def _shrunk(name: str, value: Any, class_default: Any, plan: Optional[_LayerPlan], heads: Optional[int],
+            hidden_default: Optional[int] = None) -> Any:
     """The tiny value of field ``name`` (``_KEEP`` to leave the default alone)."""
     if isinstance(value, (list, tuple)) and plan is not None and len(value) == plan.original and value:
         kept = plan.kept if plan.kept is not None else range(plan.count)
         return [FFN if name in _FFN and _is_int(value[i]) else value[i] for i in kept]  # one entry per kept layer
+    if _is_split_of(value, hidden_default):  # parts of the hidden size (Reformer's axial embedding dims)
+        return [HIDDEN * part // hidden_default for part in value]
     if isinstance(value, (list, tuple)) and plan is not None and _is_repeat_spec(value, plan.original):
         kinds = value[0][0]
         return [[kinds, max(1, plan.count // len(kinds))]]  # [[kinds, n]]: n repeats of the kinds
@@ -229,6 +233,12 @@ def _shrunk_int(name: str, value: int, plan: Optional[_LayerPlan], heads: Option
         kinds = plan.count if plan.kept is None else len({*plan.kept})
         return min(value, max(0, kinds // 2))
     return _KEEP
+
+
+def _is_split_of(value: Any, total: Optional[int]) -> bool:
+    """A list of two or more positive ints that sum to ``total`` and shrink to whole parts."""
+    return (isinstance(value, (list, tuple)) and len(value) > 1 and bool(total) and all(_is_int(v) and v > 0 for v in value)
+            and sum(value) == total and all(HIDDEN * v % total == 0 for v in value))
 
 
 def _is_repeat_spec(value: Any, layers: int) -> bool:
