@@ -4,6 +4,9 @@ Owns: the block pool (``block_pool``), the radix prefix cache (``radix_cache``),
 block tables (``kv_cache_manager``), the iteration-level scheduler (``scheduler``,
 ``waiting_queue``), request state (``request``), the per-step metadata handed to a model
 runner (``metadata``), and validated configuration (``config``, ``sampling_params``).
+Under the prefix cache: stable block hashes (``block_hash``), the lower tiers' indexes and
+what moves between them (``tier_pool``, ``kv_offload``, ``kv_transfers``), the scheduler's
+side of them (``tier_scheduling``, ``fetch_waits``), and KV events (``kv_events``).
 
 May import: numpy and the standard library only. Never torch, and nothing from
 ``kvpage.adapters``, ``kvpage.server`` or ``kvpage.bench``: other servers embed this

@@ -57,6 +57,7 @@ class KVOffloadManager:
         self.disk_writable = self.disk is not None
         self.events = events or KVEventLog()
         self._stores: dict[int, tuple[int, BlockHash]] = {}  # host slot -> (pool block, hash), this step
+        self._store_slot: dict[BlockHash, int] = {}  # the reverse of _stores
         self._loads: list[tuple[int, int]] = []  # (host slot, pool block), this step
         self._load_pins: list[BlockHash] = []
         self._fetches: list[tuple[BlockHash, int]] = []
@@ -75,6 +76,7 @@ class KVOffloadManager:
         if slot is None:
             return  # every host slot is pinned by a transfer: the KV is dropped
         self._stores[slot] = (block_id, block_hash)
+        self._store_slot[block_hash] = slot
         self.counters["host_stores"] += 1
         self.events.stored([block_hash], parent_hash, token_ids, self.block_size, MEDIUM_HOST)
 
@@ -82,8 +84,8 @@ class KVOffloadManager:
         for block_hash in hashes:
             # A store planned this step into the slot being reused must not land after the
             # slot's new owner is written (a background disk read could be that owner).
-            stale = [s for s, (_, h) in self._stores.items() if h == block_hash]
-            for slot in stale:
+            slot = self._store_slot.pop(block_hash, None)
+            if slot is not None:
                 del self._stores[slot]
         self.events.removed(hashes, MEDIUM_HOST)
 
@@ -223,7 +225,7 @@ class KVOffloadManager:
         transfers = KVTransfers(np.asarray(stores, dtype=np.int64).reshape(-1, 2),
                                 np.asarray(self._loads, dtype=np.int64).reshape(-1, 2), self._fetches,
                                 [h for _, h in self._stores.values()])
-        self._stores, self._loads, self._fetches = {}, [], []
+        self._stores, self._store_slot, self._loads, self._fetches = {}, {}, [], []
         return transfers
 
     def discard_stores(self, transfers: KVTransfers) -> None:
@@ -238,7 +240,7 @@ class KVOffloadManager:
         are being written).
         """
         self.host.clear(keep_pending=True)
-        self._stores, self._loads, self._load_pins, self._fetches = {}, [], [], []
+        self._stores, self._store_slot, self._loads, self._load_pins, self._fetches = {}, {}, [], [], []
         return self.disk.clear() if self.disk is not None else []
 
     # ------------------------------------------------------------------ checks and stats

@@ -229,7 +229,7 @@ class RadixCache:
             path.append(last)
             last = last.parent
         path.reverse()
-        tokens = [t for n in path for t in n.key]
+        tokens = list(itertools.chain.from_iterable(n.key for n in path))
         self.events.stored([self.hash_of(n) for n in path], self._parent_hash(path[0]), tokens,
                            self.block_size, MEDIUM_POOL)
 

@@ -10,7 +10,9 @@ It owns the host tier's memory (``HostKVBuffers``) and the disk tier's files
 * ``poll()``: completed disk reads ``(hash, ok)`` and failed writes, for the scheduler.
 
 Disk I/O runs on two daemon threads, one for reads (a request waits on them) and one for
-writes and deletions, so a backlog of writes never delays a read. A read of a block whose
+writes and deletions, so a backlog of writes never delays a read. The writer runs at the
+lowest CPU priority: on a machine with few cores, write-through must not steal time from
+the model's compute threads (which wait for each other at every parallel region). A read of a block whose
 write is still queued is served from the write's snapshot. A disk that is full, read-only
 or returns corrupt data never fails a request: the read or write is reported as failed,
 the block is recomputed, a warning is logged (at most once a minute per kind) and
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import queue
 import threading
 import time
@@ -43,6 +46,15 @@ _WARN_INTERVAL_S = 60.0
 ERROR_KINDS = ("corrupt", "missing", "full", "read_only", "io", "dropped")
 _FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC), errno.EFBIG}
 _READ_ONLY = {errno.EROFS, errno.EACCES, errno.EPERM}
+
+
+def _lowest_cpu_priority() -> None:
+    """Run the calling thread at nice 19 (Linux: a thread's own priority), so write-through
+    yields the CPU to the model's compute threads; a no-op where that is not possible."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):
+        pass
 
 
 def classify_os_error(exc: OSError) -> str:
@@ -231,6 +243,7 @@ class KVTierAgent:
         return True
 
     def _write_loop(self) -> None:
+        _lowest_cpu_priority()
         while (item := self._writes.get()) is not None:
             try:
                 self._write_one(*item)
