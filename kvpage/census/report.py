@@ -94,7 +94,7 @@ def _refusal_kinds(families: dict) -> list[str]:
             counts[kind] = counts.get(kind, 0) + 1
     if not counts:
         return []
-    rows = [f"| {kind} | {count} |" for kind, count in sorted(counts.items(), key=lambda kv: -kv[1])]
+    rows = [f"| {kind} | {count} |" for kind, count in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))]
     return ["Refusals by kind:", "", "| kind | families |", "|---|---|", *rows, ""]
 
 
