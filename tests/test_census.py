@@ -58,6 +58,8 @@ def test_coverage_page_lists_every_family_with_its_reason(census, tmp_path):
     assert page == to_markdown(data)
     assert "**Summary: exact 2, refused 2, mismatch 0, skipped 1 (of 5 families).**" in page
     assert "| mamba | MambaForCausalLM |" in page and "| llama | LlamaForCausalLM |" in page
+    assert "| layers with recurrent state (state-space, delta-net, linear attention, convolution) | 1 |" in page
+    assert "| positions counted by the model, not taken from position_ids | 1 |" in page  # bart
     assert exact_share(data) == 1.0
     source = tmp_path / "c.json"
     source.write_text(json.dumps(data))

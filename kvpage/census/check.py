@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .compare import MODE_DESCRIPTIONS, census_prompts, compare_with_hf, describe_difference
+from .compare import census_prompts, compare_with_hf, describe_difference
+from .modes import MODE_DESCRIPTIONS
 
 PROBE_TEXTS = ("The capital of France is", "def fibonacci(n):", "Once upon a time, there")
 MAX_NEW_TOKENS = 6
