@@ -331,6 +331,11 @@ def test_a_folder_turning_read_only_mid_run_fails_no_request(llama, reference, t
     assert stats["kv_disk_errors_read_only"] > 0 and "cannot write a block file" in caplog.text
 
 
+def test_a_host_tier_larger_than_the_free_ram_is_refused(llama):
+    with pytest.raises(ValueError, match="RAM is available"):
+        LLM(llama, **BASE, kv_offloading_size=1e6)
+
+
 def test_an_unusable_folder_is_one_warning_not_a_failure(llama, reference, tmp_path, caplog):
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("x")
