@@ -11,10 +11,10 @@ from __future__ import annotations
 import socket
 import time
 
-import msgspec
 import pytest
 import torch
 
+msgspec = pytest.importorskip("msgspec")  # the events extra
 zmq = pytest.importorskip("zmq")
 
 from kvpage import LLM, SamplingParams  # noqa: E402

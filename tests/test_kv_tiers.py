@@ -126,7 +126,8 @@ def test_stats_report_every_tier(llama, tmp_path):
         llm.engine.kv_tiers.flush()
         stats = llm.stats()
     for key in ("kv_host_blocks", "kv_host_used_blocks", "kv_disk_blocks", "kv_disk_used_blocks", "kv_pool_evictions",
-                "kv_host_evictions", "kv_disk_evictions", "kv_pool_hit_tokens", "kv_host_hit_tokens", "kv_disk_hit_tokens",
+                "kv_host_evictions", "kv_disk_evictions", "kv_pool_hit_tokens", "kv_host_hit_tokens",
+                "kv_disk_hit_tokens",
                 "kv_host_stored_bytes", "kv_host_loaded_bytes", "kv_disk_written_bytes", "kv_disk_read_bytes",
                 "kv_disk_errors_corrupt", "kv_disk_errors_full", "kv_disk_errors_read_only"):
         assert key in stats, key
@@ -162,7 +163,8 @@ llm = LLM(tiny_model("llama"), block_size=4, num_kv_blocks=64, max_model_len=200
           kv_disk_cache=sys.argv[1])
 out = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)[0]
 llm.engine.close()
-print(json.dumps({{"cached": out.metrics.num_cached_tokens, "prompt": len(prompt), "tokens": out.outputs[0].token_ids}}))
+result = {{"cached": out.metrics.num_cached_tokens, "prompt": len(prompt), "tokens": out.outputs[0].token_ids}}
+print(json.dumps(result))
 """
 
 
@@ -329,6 +331,11 @@ def test_a_folder_turning_read_only_mid_run_fails_no_request(llama, reference, t
         _check_drained(llm)
     assert outputs == reference
     assert stats["kv_disk_errors_read_only"] > 0 and "cannot write a block file" in caplog.text
+
+
+def test_a_host_tier_larger_than_the_free_ram_is_refused(llama):
+    with pytest.raises(ValueError, match="RAM is available"):
+        LLM(llama, **BASE, kv_offloading_size=1e6)
 
 
 def test_an_unusable_folder_is_one_warning_not_a_failure(llama, reference, tmp_path, caplog):

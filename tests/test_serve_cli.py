@@ -82,7 +82,8 @@ def test_enforce_eager_and_num_threads_reach_the_config():
 def test_kv_tier_and_event_flags_reach_the_config():
     config = config_from_args(parse("--kv-offloading-size", "0.5", "--kv-disk-cache", "/tmp/kv",
                                     "--kv-disk-cache-size", "2", "--kv-events-config",
-                                    '{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:5557", "topic": "kv"}'))
+                                    '{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:5557", '
+                                    '"topic": "kv"}'))
     assert (config.kv_offloading_size, config.kv_disk_cache, config.kv_disk_cache_size) == (0.5, "/tmp/kv", 2.0)
     events = config.kv_events_config
     assert (events.enable_kv_cache_events, events.publisher, events.endpoint, events.topic) == (

@@ -16,7 +16,6 @@ import os
 import tempfile
 
 import numpy as np
-import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st

@@ -87,7 +87,8 @@ def run_suite(opts: SuiteOptions) -> dict[str, Any]:
     scenarios = []
     with tqdm(total=total, desc="kvpage bench", unit="run", disable=not opts.progress) as bar:
         for workload in workloads:
-            scenarios.append(_run_scenario(opts, loaded, workload, _scenario_budget(opts, loaded, workload, budget), bar))
+            scenario_budget = _scenario_budget(opts, loaded, workload, budget)
+            scenarios.append(_run_scenario(opts, loaded, workload, scenario_budget, bar))
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(opts).items()}
     settings.update(num_params=loaded.num_params, kv_bytes_per_token=loaded.kv_bytes_per_token,
                     kv_budget_bytes=budget, scale_params=asdict(scale))

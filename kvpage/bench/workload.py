@@ -96,7 +96,7 @@ class Scale:
     question_median: int = 16
     conversations: int = 16
     turns: int = 8
-    context_len: int = 768
+    context_len: int = 1536
     user_len: int = 16
     reply_len: int = 32
     max_active: int = 3

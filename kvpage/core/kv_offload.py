@@ -261,7 +261,8 @@ class KVOffloadManager:
         disk = self.disk
         stats = {"kv_host_blocks": self.host.num_slots, "kv_host_used_blocks": self.host.num_used_slots,
                  "kv_host_evictions": self.host.num_evictions,
-                 "kv_disk_blocks": disk.num_slots if disk else 0, "kv_disk_used_blocks": disk.num_used_slots if disk else 0,
+                 "kv_disk_blocks": disk.num_slots if disk else 0,
+                 "kv_disk_used_blocks": disk.num_used_slots if disk else 0,
                  "kv_disk_evictions": disk.num_evictions if disk else 0}
         stats.update({f"kv_{name}": value for name, value in self.counters.items()})
         return stats

@@ -263,23 +263,6 @@ class Scheduler:
             self._schedule_one(plan, request, num_new)
             budget -= num_new
 
-    def reset_prefix_cache(self) -> list[BlockHash]:
-        """Empty every tier (``AllBlocksCleared``); returns the disk hashes whose files to delete.
-
-        Raises ``ValueError`` while any cached block is in use.
-        """
-        if self.prefix_cache is None:
-            return []
-        self.prefix_cache.reset()
-        dropped = self.tiers.clear() if self.tiers is not None else []
-        self.kv_events.take()  # the per-block removals are subsumed by one clear
-        self.kv_events.cleared()
-        return dropped
-
-    def take_kv_events(self) -> list[KVCacheEvent]:
-        """KV events since the last call, in order (empty unless ``enable_kv_events``)."""
-        return self.kv_events.take()
-
     def _emit(self, plan: _StepPlan) -> SchedulerOutput:
         # Decodes (query length 1) first: attention backends split the batch there.
         plan.scheduled.sort(key=lambda item: item[1] != 1)
@@ -305,6 +288,23 @@ class Scheduler:
         if self.prefix_cache is None:
             return 0
         return self.prefix_cache.discard(output.newly_cached_blocks)
+
+    def reset_prefix_cache(self) -> list[BlockHash]:
+        """Empty every tier (``AllBlocksCleared``); returns the disk hashes whose files to delete.
+
+        Raises ``ValueError`` while any cached block is in use.
+        """
+        if self.prefix_cache is None:
+            return []
+        self.prefix_cache.reset()
+        dropped = self.tiers.clear() if self.tiers is not None else []
+        self.kv_events.take()  # the per-block removals are subsumed by one clear
+        self.kv_events.cleared()
+        return dropped
+
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        """KV events since the last call, in order (empty unless ``enable_kv_events``)."""
+        return self.kv_events.take()
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)

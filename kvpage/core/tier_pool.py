@@ -9,7 +9,8 @@ Each slot holds the KV of one full block. An entry is in one of three states::
 ``pins`` protect an entry from eviction while a transfer reads or writes it. Eviction is
 LRU over unpinned entries (an ``OrderedDict`` in access order, oldest first), so one
 eviction is O(1) plus the pinned entries it steps over (a few in-flight transfers).
-``num_free_slots + num_used_slots == num_slots`` always (``check_integrity``).
+``num_free_slots + num_used_slots == num_slots`` always (``check_integrity``). Slots never
+used yet are handed out from a counter, so a large tier costs no memory until it fills.
 """
 from __future__ import annotations
 
@@ -42,14 +43,15 @@ class TierPool:
             raise ValueError(f"{name} tier: num_slots must be a positive integer, got {num_slots!r}")
         self.name = name
         self.num_slots = num_slots
-        self._free: list[int] = list(range(num_slots - 1, -1, -1))
+        self._free: list[int] = []  # slots given back; slots >= _fresh were never handed out
+        self._fresh = 0
         self._entries: "OrderedDict[BlockHash, TierEntry]" = OrderedDict()
         self.num_evictions = 0
 
     # ------------------------------------------------------------------ queries
     @property
     def num_free_slots(self) -> int:
-        return len(self._free)
+        return len(self._free) + self.num_slots - self._fresh
 
     @property
     def num_used_slots(self) -> int:
@@ -93,14 +95,17 @@ class TierPool:
         if block_hash in self._entries:
             raise ValueError(f"{self.name} tier already holds block {block_hash.hex()[:16]}")
         evicted: list[BlockHash] = []
-        if not self._free:
+        if not self.num_free_slots:
             victim = next((h for h, e in self._entries.items() if e.pins == 0), None)
             if victim is None:
                 return None, []
             self.remove(victim)
             self.num_evictions += 1
             evicted.append(victim)
-        slot = self._free.pop()
+        if self._free:
+            slot = self._free.pop()
+        else:
+            slot, self._fresh = self._fresh, self._fresh + 1
         self._entries[block_hash] = TierEntry(slot, ready=ready)
         return slot, evicted
 
@@ -133,7 +138,8 @@ class TierPool:
     def check_integrity(self) -> None:
         """Assert free + used == total and that no slot is owned twice; raises AssertionError."""
         used = [e.slot for e in self._entries.values()]
-        assert len(self._free) + len(used) == self.num_slots, f"{self.name}: slots leaked or double-counted"
-        assert len(set(used) | set(self._free)) == self.num_slots, f"{self.name}: a slot is owned twice"
-        assert all(0 <= s < self.num_slots for s in used + self._free)
+        assert self.num_free_slots + len(used) == self.num_slots, f"{self.name}: slots leaked or double-counted"
+        handed_out = set(used) | set(self._free)
+        assert len(handed_out) == len(used) + len(self._free) == self._fresh, f"{self.name}: a slot is owned twice"
+        assert all(0 <= s < self._fresh for s in handed_out)
         assert all(e.pins >= 0 for e in self._entries.values())

@@ -18,7 +18,8 @@ _COUNTERS = {  # name: (doc, {tier label: stats key})
     "kvpage:kv_tier_stored_bytes": ("Bytes of KV written to a lower tier.",
                                     {"host": "kv_host_stored_bytes", "disk": "kv_disk_written_bytes"}),
     "kvpage:kv_tier_evictions": ("KV blocks evicted from each tier (LRU).",
-                                 {"pool": "kv_pool_evictions", "host": "kv_host_evictions", "disk": "kv_disk_evictions"}),
+                                 {"pool": "kv_pool_evictions", "host": "kv_host_evictions",
+                                  "disk": "kv_disk_evictions"}),
 }
 _GAUGES = {
     "kvpage:kv_tier_capacity_blocks": ("KV blocks each lower tier holds at most.",
@@ -56,6 +57,7 @@ def tier_families(stats: dict) -> Iterator:
         for tier, key in keys.items():
             snap = latency.get(key)
             if snap is not None:
-                buckets = [("+Inf" if bound == float("inf") else repr(bound), count) for bound, count in snap["buckets"]]
+                buckets = [("+Inf" if bound == float("inf") else repr(bound), count)
+                           for bound, count in snap["buckets"]]
                 family.add_metric([tier], buckets, snap["sum"])
         yield family

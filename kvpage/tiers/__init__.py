@@ -14,10 +14,11 @@ files and moves the bytes when the engine hands it a step's plan:
 from __future__ import annotations
 
 import logging
+import shutil
 from typing import Any
 
 from kvpage.core.config import EngineConfig
-from kvpage.kv_storage import KVCacheSpec, PagedKVCache
+from kvpage.kv_storage import KVCacheSpec, PagedKVCache, free_ram_bytes
 
 log = logging.getLogger("kvpage")
 
@@ -37,12 +38,17 @@ def attach_kv_tiers(engine: Any, config: EngineConfig, spec: KVCacheSpec, kv_cac
     offload = engine.scheduler.offload
     if offload is None:
         return
+    host_bytes = offload.host.num_slots * spec.bytes_per_block
+    if host_bytes > free_ram_bytes():
+        raise ValueError(f"the host KV tier needs {host_bytes / 2**30:.2f} GiB (kv_offloading_size) but only "
+                         f"{free_ram_bytes() / 2**30:.2f} GiB of RAM is available")
     disk, writable = None, False
     if offload.disk is not None and config.kv_disk_cache:
         block_shape = disk_block_shape(spec)
         disk = DiskKVStore(config.kv_disk_cache, model_fingerprint(model, spec), block_shape,
                            kv_cache.torch_key_cache(0).dtype)
         writable, problem = disk.open()
+        _warn_if_disk_is_small(disk, offload.disk.num_slots * spec.bytes_per_block)
         found = disk.scan(remove_leftovers=writable)
         for op in engine.scheduler.tiers.restore_disk(found, writable):
             if writable:
@@ -69,3 +75,14 @@ def disk_block_shape(spec: Any) -> tuple:
                          f"layouts differ ({len(layouts)} layer layouts, K vs V {layouts[0]}): use the host tier "
                          "(--kv-offloading-size) only")
     return (len(spec.owner_layers), spec.block_size, layouts[0].k_heads, layouts[0].k_head_dim)
+
+
+def _warn_if_disk_is_small(disk: Any, cap_bytes: int) -> None:
+    """A size cap beyond the free space is allowed (a full disk degrades to recompute), but said."""
+    try:
+        free = shutil.disk_usage(disk.dir).free
+    except OSError:
+        return
+    if cap_bytes > free:
+        log.warning("disk KV cache: the size cap (%.1f GiB) exceeds the free space at %s (%.1f GiB); "
+                    "once the disk is full, blocks are recomputed", cap_bytes / 2**30, disk.dir, free / 2**30)
