@@ -10,21 +10,11 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .cli_args import non_negative_float
+from .cli_args import non_negative_float, positive_int
 
 SCENARIOS = ("sharegpt", "burst", "shared-prefix", "multi-turn")
 SCALES = ("auto", "tiny", "quick", "cpu", "full")
 LETTERS = "ABCDEF"
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
 
 
 def _scenarios(text: str) -> tuple:
@@ -57,11 +47,11 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add("--rate", type=non_negative_float, default=None, help="Poisson arrival rate, requests/s (0 = all at t=0)")
     add("--kv-budget-mb", type=non_negative_float, default=None, help="KV budget in MiB for every configuration "
         "(default: what --static-seqs sequences at the workload's max length take)")
-    add("--static-seqs", type=_positive_int, default=8, help="sequences the default KV budget holds at max length")
-    add("--max-num-seqs", type=_positive_int, default=64, help="cap on sequences per step for B-E")
-    add("--token-budget", type=_positive_int, default=None, help="tokens per step with chunked prefill "
+    add("--static-seqs", type=positive_int, default=8, help="sequences the default KV budget holds at max length")
+    add("--max-num-seqs", type=positive_int, default=64, help="cap on sequences per step for B-E")
+    add("--token-budget", type=positive_int, default=None, help="tokens per step with chunked prefill "
         "(default 128 on CPU, 512 at full scale)")
-    add("--block-size", type=_positive_int, default=16, help="KV block (page) size in tokens for B-E")
+    add("--block-size", type=positive_int, default=16, help="KV block (page) size in tokens for B-E")
     add("--seed", type=int, default=0)
     add("--device", choices=("auto", "cpu", "cuda"), default="auto")
     add("--out", type=Path, default=Path("bench_out"), help="folder for bench.json, bench.md and bench.png")

@@ -38,10 +38,10 @@ def attach_kv_tiers(engine: Any, config: EngineConfig, spec: KVCacheSpec, kv_cac
     offload = engine.scheduler.offload
     if offload is None:
         return
-    host_bytes = offload.host.num_slots * spec.bytes_per_block
-    if host_bytes > free_ram_bytes():
+    host_bytes, free_ram = offload.host.num_slots * spec.bytes_per_block, free_ram_bytes()
+    if host_bytes > free_ram:
         raise ValueError(f"the host KV tier needs {host_bytes / 2**30:.2f} GiB (kv_offloading_size) but only "
-                         f"{free_ram_bytes() / 2**30:.2f} GiB of RAM is available")
+                         f"{free_ram / 2**30:.2f} GiB of RAM is available")
     disk, writable = None, False
     if offload.disk is not None and config.kv_disk_cache:
         block_shape = disk_block_shape(spec)
