@@ -65,7 +65,9 @@ class PagedForwardContext:
     site ``s``'s paged buffers ``[num_blocks, block_size, heads, head_dim]`` (K and V may
     differ in heads and head size); a site that reuses another's KV holds its owner's
     buffers and is listed in ``reading_only``, so it attends without writing. ``prepared``
-    is the backend's per-step view of the ``StepMetadata``. ``layers_called`` counts the
+    is the backend's per-step view of the ``StepMetadata``; with hybrid KV groups,
+    ``site_prepared[s]`` is the view of site ``s``'s group (its own block tables and slot
+    mapping). ``layers_called`` counts the
     attention calls of this forward, so the runner can detect layers that bypass the
     interface.
     """
@@ -78,6 +80,7 @@ class PagedForwardContext:
     num_real_tokens: Optional[int] = None  # rows past it are compile-bucket padding
     reading_only: frozenset = frozenset()
     first_site: Optional[list] = None  # None: one site per layer, site == layer
+    site_prepared: Optional[list] = None  # None: every site reads ``prepared``
     _calls: dict = field(default_factory=dict)  # layer -> calls so far this forward
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
@@ -91,9 +94,10 @@ class PagedForwardContext:
             self._calls[layer] = calls + 1
             site = self.first_site[layer] + calls
         key_cache, value_cache = self.key_caches[site], self.value_caches[site]
+        prepared = self.prepared if self.site_prepared is None else self.site_prepared[site]
         if site not in self.reading_only:
-            self.backend.write_kv(key_cache, value_cache, k, v, self.prepared)
-        return self.backend.attention(q, key_cache, value_cache, self.prepared, scaling, sliding_window, softcap, sinks)
+            self.backend.write_kv(key_cache, value_cache, k, v, prepared)
+        return self.backend.attention(q, key_cache, value_cache, prepared, scaling, sliding_window, softcap, sinks)
 
 
 @dataclass
@@ -101,13 +105,14 @@ class ProbeContext:
     """A forward with attention stubbed out: records each attention call's KV layout and dtype.
 
     ``calls`` holds ``(layer, LayerKVSpec)`` in call order (a layer may call attention more
-    than once). ``layers_with_masks`` lists the layers handed an attention mask or bias of
-    the model's own making: kvpage derives causality from positions and builds no mask, so a
-    mask that reaches attention anyway carries something else (a learned bias, a dynamic
-    sparsity mask). With ``track_sharing``, a call handed the very K and V tensors an
-    earlier call was handed reuses that call's KV (cross-layer sharing, e.g. Gemma3n); the
-    probe then keeps every K/V it saw alive, so equal storage means the same tensor, not a
-    freed address handed out again (which is why memory-profiling probes leave it off).
+    than once), with the sliding window the model passed to the call. ``layers_with_masks``
+    lists the layers handed an attention mask or bias of the model's own making: kvpage
+    derives causality from positions and builds no mask, so a mask that reaches attention
+    anyway carries something else (a learned bias, a dynamic sparsity mask). With
+    ``track_sharing``, a call handed the very K and V tensors an earlier call was handed
+    reuses that call's KV (cross-layer sharing, e.g. Gemma3n); the probe then keeps every
+    K/V it saw alive, so equal storage means the same tensor, not a freed address handed
+    out again (which is why memory-profiling probes leave it off).
     """
 
     calls: list = field(default_factory=list)  # (layer index, LayerKVSpec with reuses = call index)
@@ -121,7 +126,8 @@ class ProbeContext:
     _seen: dict = field(default_factory=dict)  # (k storage, v storage) -> first call handed them
     _alive: list = field(default_factory=list)
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: Any = None,
+               sliding_window: Optional[int] = None, *args: Any) -> torch.Tensor:
         self.layers_called += 1
         index = len(self.calls)
         if self.record_query and index == 0:
@@ -131,7 +137,8 @@ class ProbeContext:
             owner = self._seen.setdefault((_storage_key(k), _storage_key(v)), index)
             self._alive.append((k, v))
         self.calls.append((layer, LayerKVSpec(int(k.shape[1]), int(k.shape[2]), int(v.shape[1]), int(v.shape[2]),
-                                              reuses=None if owner == index else owner)))
+                                              reuses=None if owner == index else owner,
+                                              sliding_window=int(sliding_window) if sliding_window else None)))
         self.dtype = k.dtype
         return q.new_zeros((*q.shape[:-1], v.shape[-1]))
 

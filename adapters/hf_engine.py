@@ -12,11 +12,13 @@ from typing import Any, Optional
 import torch
 
 from kvpage.core.config import EngineConfig
+from kvpage.core.kv_groups import KVCacheGroups
 from kvpage.core.scheduler import Scheduler
 from kvpage.engine import LLMEngine
 from kvpage.kv_storage import KVCacheSpec, PagedKVCache, determine_num_blocks
 from kvpage.sampler import Sampler
-from kvpage.threads import configure_threads
+from kvpage.thread_governor import governor_for
+from kvpage.threads import configure_threads, set_compute_threads
 from kvpage.tiers import attach_kv_tiers
 
 from .attention_backends import select_backend
@@ -155,7 +157,23 @@ def profile_gpu_memory(runner: HFModelRunner, num_tokens: int) -> dict:
             "used_device_bytes": used, "peak_activation_bytes": peak}
 
 
-def size_kv_cache(runner: HFModelRunner, spec: KVCacheSpec, config: EngineConfig, max_model_len: int) -> int:
+def kv_groups(spec: KVCacheSpec, config: EngineConfig) -> KVCacheGroups:
+    """The KV groups the engine runs with (hybrid unless disabled or the model is not), logged."""
+    groups = spec.kv_groups(hybrid=config.hybrid_kv_cache)
+    if groups.is_hybrid:
+        kinds = ", ".join(f"{len(g.layers)} layers {'window ' + str(g.sliding_window) if g.is_sliding else 'full'}"
+                          for g in groups.groups)
+        log.info("hybrid KV cache: %d groups of %d layers (%s)", groups.num_groups, groups.group_size, kinds)
+    elif any(layer.sliding_window for layer in spec.layers):
+        reason = groups.reason
+        if config.uses_kv_tiers and not config.disable_hybrid_kv_cache_manager:
+            reason = "the KV tiers need a single KV group"
+        log.info("sliding-window layers keep the whole context: %s", reason)
+    return groups
+
+
+def size_kv_cache(runner: HFModelRunner, spec: KVCacheSpec, config: EngineConfig, max_model_len: int,
+                  groups: Optional[KVCacheGroups] = None) -> int:
     """Blocks for the KV cache: explicit count, byte budget, GPU profile, or the CPU default."""
     measured = {}
     on_gpu = runner.device.type == "cuda"
@@ -164,7 +182,8 @@ def size_kv_cache(runner: HFModelRunner, spec: KVCacheSpec, config: EngineConfig
     return determine_num_blocks(spec, num_kv_blocks=config.num_kv_blocks, kv_cache_memory=config.kv_cache_memory,
                                 gpu_memory_utilization=config.gpu_memory_utilization,
                                 device="cuda" if on_gpu else "cpu", max_num_seqs=config.max_num_seqs,
-                                max_model_len=max_model_len, **measured)
+                                max_model_len=max_model_len, groups=groups,
+                                chunk_tokens=config.step_token_budget(max_model_len), **measured)
 
 
 def vocab_size(model: torch.nn.Module) -> int:
@@ -175,10 +194,13 @@ def vocab_size(model: torch.nn.Module) -> int:
 def build_hf_engine(model: torch.nn.Module, tokenizer: Any, config: EngineConfig) -> LLMEngine:
     """Switch ``model`` to kvpage attention and return an engine bound to it. If that fails
     (a ``ValueError`` naming the reason), the model keeps its own attention."""
-    configure_threads(config.num_threads)
+    num_threads = configure_threads(config.num_threads)
     runner = HFModelRunner(model, onednn_linears=config.onednn_linears)
     try:
-        return _assemble(runner, model, tokenizer, config)
+        engine = _assemble(runner, model, tokenizer, config)
+        if runner.device.type == "cpu":
+            engine.thread_governor = governor_for(config.num_threads, num_threads, set_compute_threads)
+        return engine
     except BaseException:
         runner.restore()
         raise
@@ -192,11 +214,12 @@ def _assemble(runner: HFModelRunner, model: torch.nn.Module, tokenizer: Any, con
     spec = kv_cache_spec(runner, config)
     backend = select_backend(config.attention_backend, runner.device)
     check_backend_fits(spec, backend.name)
-    cache_config = config.cache_config(size_kv_cache(runner, spec, config, max_model_len), spec.bytes_per_block,
-                                       max_model_len)
+    groups = kv_groups(spec, config)
+    cache_config = config.cache_config(size_kv_cache(runner, spec, config, max_model_len, groups),
+                                       spec.bytes_per_block_of(groups), max_model_len, groups.windows)
     scheduler = Scheduler(cache_config, config.scheduler_config(max_model_len))
     storage = "cupy" if runner.device.type == "cuda" else "torch"
-    runner.bind(PagedKVCache(spec, cache_config.num_blocks, backend=storage), backend)
+    runner.bind(PagedKVCache(spec, cache_config.num_blocks, backend=storage, groups=groups), backend)
     if not config.enforce_eager:
         runner.compile()
     eos = eos_token_ids(model, tokenizer)

@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 
+from kvpage.core.kv_groups import KVCacheGroups
 from kvpage.core.metadata import StepMetadata
 from kvpage.kv_storage import LayerKVSpec, PagedKVCache
 
@@ -65,6 +66,7 @@ class HFModelRunner:
         self.reading_only: frozenset = frozenset()
         self.site_layers: list = []  # the layer of each attention call site (see PagedForwardContext)
         self.first_site: Optional[list] = None
+        self.site_group: Optional[list] = None  # hybrid KV groups: each site's group
         self.layer_specs, self.kv_dtype = self._probe_layers()
 
     def _probe_layers(self) -> tuple[list[LayerKVSpec], torch.dtype]:
@@ -138,7 +140,8 @@ class HFModelRunner:
         return self.compiled.warm_up(lambda forward, n: self.probe_forward(n, forward))
 
     def bind(self, kv_cache: PagedKVCache, backend: AttentionBackend) -> None:
-        """Attach the paged KV buffers (a ``PagedKVCache``) and the attention backend."""
+        """Attach the paged KV buffers (a ``PagedKVCache``, with its KV groups) and the
+        attention backend."""
         if kv_cache.spec.num_layers != len(self.layer_specs):
             raise ValueError(f"expected a KV cache of {len(self.layer_specs)} attention sites, got "
                              f"{kv_cache.spec.num_layers}")
@@ -146,6 +149,9 @@ class HFModelRunner:
         self.key_caches = [kv_cache.torch_key_cache(i) for i in range(kv_cache.spec.num_layers)]
         self.value_caches = [kv_cache.torch_value_cache(i) for i in range(kv_cache.spec.num_layers)]
         self.reading_only = frozenset(i for i, layer in enumerate(kv_cache.spec.layers) if layer.reuses is not None)
+        groups: Optional[KVCacheGroups] = kv_cache.groups
+        self.site_group = None if groups is None else \
+            [groups.position_of_layer(site)[0] for site in range(kv_cache.spec.num_layers)]
         self.backend = backend
 
     @torch.inference_mode()
@@ -156,9 +162,14 @@ class HFModelRunner:
         input_ids = torch.as_tensor(metadata.input_ids, device=device)
         positions = torch.as_tensor(metadata.positions, device=device)
         rows = torch.as_tensor(metadata.logits_indices, dtype=torch.long, device=device)
-        context = PagedForwardContext(self.key_caches, self.value_caches, self.backend, self.backend.prepare(metadata),
+        prepared = self.backend.prepare(metadata)
+        site_prepared = None
+        if self.site_group is not None:
+            by_group = [prepared] + [self.backend.prepare(metadata.for_group(g)) for g in range(1, metadata.num_groups)]
+            site_prepared = [by_group[g] for g in self.site_group]
+        context = PagedForwardContext(self.key_caches, self.value_caches, self.backend, prepared,
                                       num_real_tokens=metadata.num_tokens, reading_only=self.reading_only,
-                                      first_site=self.first_site)
+                                      first_site=self.first_site, site_prepared=site_prepared)
         with paged_step(context):
             if self.compiled is not None:
                 logits = self.compiled(input_ids, positions, rows)

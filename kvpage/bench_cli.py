@@ -12,9 +12,9 @@ from typing import Optional, Sequence
 
 from .cli_args import non_negative_float, positive_int
 
-SCENARIOS = ("sharegpt", "burst", "shared-prefix", "multi-turn")
+SCENARIOS = ("sharegpt", "burst", "shared-prefix", "multi-turn", "long-context")
 SCALES = ("auto", "tiny", "quick", "cpu", "full")
-LETTERS = "ABCDEF"
+LETTERS = "ABCDEFG"
 
 
 def _scenarios(text: str) -> tuple:
@@ -39,9 +39,10 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add("--model", default=None, help="random-tiny|random-30m|random-50m|random-350m, a local HF folder or an alias "
         "such as smollm2-135m (default: random-30m on CPU, random-350m with --scale full)")
     add("--scenario", type=_scenarios, default=SCENARIOS,
-        help="comma list of sharegpt, burst, shared-prefix, multi-turn, or all")
+        help="comma list of sharegpt, burst, shared-prefix, multi-turn, long-context, or all")
     add("--configs", type=_configs, default=None, help="letters to run on every scenario (default: per scenario; "
-        "A=HF static, B=HF continuous, C=paged, D=+chunked prefill, E=+prefix cache, F=E+host and disk KV tiers)")
+        "A=HF static, B=HF continuous, C=paged, D=+chunked prefill, E=+prefix cache, F=E+host and disk KV tiers, "
+        "G=E without hybrid KV groups)")
     add("--scale", choices=SCALES, default="auto", help="workload size (auto: full on a GPU, cpu otherwise)")
     add("--quick", action="store_true", help="a smaller workload (scale 'quick'), for a fast look")
     add("--rate", type=non_negative_float, default=None, help="Poisson arrival rate, requests/s (0 = all at t=0)")

@@ -1,4 +1,4 @@
-"""``kvpage`` command line: ``demo``, ``serve``, ``bench``, ``census`` and ``check`` subcommands.
+"""``kvpage`` command line: ``demo``, ``serve``, ``bench``, ``census``, ``check`` and ``plan`` subcommands.
 
 Heavy imports (torch, transformers, the server) happen inside each subcommand so that
 ``kvpage --help`` is instant.
@@ -41,12 +41,14 @@ def _add_optional_subcommands(sub) -> None:
     """Subcommands that live in modules of their own register themselves here."""
     from .bench_cli import add_bench_parser
     from .census_cli import add_census_parser, add_check_parser
+    from .plan_cli import add_plan_parser
     from .serve_cli import add_serve_parser
 
     add_serve_parser(sub)
     add_bench_parser(sub)
     add_census_parser(sub)
     add_check_parser(sub)
+    add_plan_parser(sub)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -45,6 +45,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.kv_tiers: Optional[Any] = None  # a KVTierAgent, attached by kvpage.tiers.attach_kv_tiers
         self.kv_event_publisher: Optional[Any] = None  # attached by kv_events_publisher.attach_kv_events
+        self.thread_governor: Optional[Any] = None  # a thread_governor.ThreadGovernor, set by the builder
 
     @property
     def tokenizer(self) -> Any:
@@ -115,6 +116,8 @@ class LLMEngine:
     # ------------------------------------------------------------------ the step
     def step(self) -> list[StreamDelta]:
         """Run one scheduled step; return a delta for every sample that changed."""
+        if self.thread_governor is not None:
+            self.thread_governor.tick()  # in the thread that runs the forward: the counts are per thread
         self._report_tier_results()
         output = self.scheduler.schedule()
         if output.is_empty:
@@ -230,6 +233,8 @@ class LLMEngine:
         stats["prompt_tokens"] = self.num_prompt_tokens
         stats["generation_tokens"] = self.outputs.num_generation_tokens
         stats.update(self.step_stats.summary())
+        if self.thread_governor is not None:
+            stats["compute_threads"] = self.thread_governor.current
         if self.kv_tiers is not None:
             stats.update(self.kv_tiers.stats())
         if self.kv_event_publisher is not None:

@@ -9,6 +9,10 @@ Layout of layer ``l`` (``spec.layers[l]``, a ``LayerKVSpec``), one buffer for K,
     V: [num_blocks, block_size, v_heads, v_head_dim]
 
 A layer that reuses another layer's KV has no buffers: it reads its owner's.
+
+With hybrid KV groups (``kvpage.core.kv_groups``: a model mixing sliding-window and full
+layers) there are ``group_size`` buffer pairs instead, and the layer at position ``i`` of
+its group uses pair ``i``; a block id then means the same tokens only within one group.
 """
 from __future__ import annotations
 
@@ -17,6 +21,8 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import numpy as np
+
+from kvpage.core.kv_groups import KVCacheGroups, plan_kv_groups
 
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -49,22 +55,26 @@ class LayerKVSpec:
     v_heads: int
     v_head_dim: int
     reuses: Optional[int] = None
+    sliding_window: Optional[int] = None  # the layer's attention kind: None is full attention
 
     def __post_init__(self) -> None:
         for name in ("k_heads", "k_head_dim", "v_heads", "v_head_dim"):
             _check_positive(name, getattr(self, name))
+        if self.sliding_window is not None:
+            _check_positive("sliding_window", self.sliding_window)
         if self.reuses is not None and (isinstance(self.reuses, bool) or not isinstance(self.reuses, int)
                                         or self.reuses < 0):
             raise ValueError(f"reuses must be None or a layer index >= 0, got {self.reuses!r}")
 
     @classmethod
-    def symmetric(cls, num_kv_heads: int, head_dim: int, reuses: Optional[int] = None) -> "LayerKVSpec":
+    def symmetric(cls, num_kv_heads: int, head_dim: int, reuses: Optional[int] = None,
+                  sliding_window: Optional[int] = None) -> "LayerKVSpec":
         """K and V of one shape (every model but MLA)."""
-        return cls(num_kv_heads, head_dim, num_kv_heads, head_dim, reuses)
+        return cls(num_kv_heads, head_dim, num_kv_heads, head_dim, reuses, sliding_window)
 
     @property
     def layout(self) -> "LayerKVSpec":
-        """This layout without ``reuses`` (what a buffer of it looks like)."""
+        """This layout without ``reuses`` or the window (what a buffer of it looks like)."""
         return LayerKVSpec(self.k_heads, self.k_head_dim, self.v_heads, self.v_head_dim)
 
     @property
@@ -141,6 +151,23 @@ class KVCacheSpec:
             groups.setdefault(self.layers[i].layout, []).append(i)
         return {layout: tuple(indices) for layout, indices in groups.items()}
 
+    def kv_groups(self, hybrid: bool = True) -> KVCacheGroups:
+        """The layers' KV groups (``plan_kv_groups``): one per attention kind when ``hybrid``
+        and the layers can share buffers (one layout, no cross-layer reuse), else one."""
+        reason = ""
+        if any(layer.reuses is not None for layer in self.layers):
+            reason = "some layers reuse another layer's KV"
+        elif len(self.layers_by_layout()) > 1:
+            reason = "the layers' KV layouts differ"
+        return plan_kv_groups([layer.sliding_window for layer in self.layers], hybrid, not reason, reason)
+
+    def bytes_per_block_of(self, groups: Optional[KVCacheGroups]) -> int:
+        """Bytes of one pool block: every owner layer's, or with hybrid ``groups`` one block of
+        ``group_size`` layers."""
+        if groups is None or not groups.is_hybrid:
+            return self.bytes_per_block
+        return groups.group_size * self.block_size * self.layers[0].elements_per_token * self.itemsize
+
     @property
     def itemsize(self) -> int:
         """Bytes per element."""
@@ -209,6 +236,8 @@ def determine_num_blocks(
     used_device_bytes: Optional[int] = None,
     peak_activation_bytes: Optional[int] = None,
     free_ram_bytes: Optional[int] = None,
+    groups: Optional[KVCacheGroups] = None,
+    chunk_tokens: int = 1,
 ) -> int:
     """Number of KV blocks to allocate. Pure: every measurement comes in as an argument.
 
@@ -223,34 +252,50 @@ def determine_num_blocks(
          sequences of ``min(max_model_len, CPU_EXPECTED_SEQ_TOKENS)`` tokens, capped at
          ``CPU_MAX_FREE_RAM_FRACTION`` of free RAM (read from /proc/meminfo when not
          given) and at ``CPU_MAX_KV_BYTES``.
+    With hybrid ``groups`` a block is ``groups.group_size`` layers' worth
+    (``KVCacheSpec.bytes_per_block_of``) and one request holds
+    ``groups.blocks_per_request`` blocks, its sliding groups writing ``chunk_tokens`` per
+    step at most (the step's token budget).
     Raises ValueError, with the numbers, when the result is under one block or cannot hold
     one request of ``max_model_len`` tokens.
     """
-    need = spec.blocks_for_tokens(max_model_len)
+    groups = groups or KVCacheGroups.single(spec.num_layers)
+    sizes = _BlockSizes(spec.bytes_per_block_of(groups), spec.block_size,
+                        groups.blocks_per_request(max_model_len, spec.block_size, min(chunk_tokens, max_model_len)),
+                        groups.blocks_per_request(min(max_model_len, CPU_EXPECTED_SEQ_TOKENS), spec.block_size))
     rule = kv_sizing_rule(num_kv_blocks, kv_cache_memory, device)
     if rule == "explicit count":
         if isinstance(num_kv_blocks, bool) or not isinstance(num_kv_blocks, int) or num_kv_blocks <= 0:
             raise ValueError(f"num_kv_blocks must be a positive integer, got {num_kv_blocks!r}")
-        return _check(num_kv_blocks, need, spec, max_model_len, f"num_kv_blocks={num_kv_blocks}")
+        return _check(num_kv_blocks, sizes, max_model_len, f"num_kv_blocks={num_kv_blocks}")
     if rule == "byte budget":
         budget, source = int(kv_cache_memory), f"kv_cache_memory={kv_cache_memory} bytes"
     elif rule == "GPU profile":
         budget, source = _gpu_budget(gpu_memory_utilization, total_device_bytes, used_device_bytes,
                                      peak_activation_bytes)
     else:
-        budget, source = _cpu_budget(spec, max_num_seqs, max_model_len, free_ram_bytes)
-    num_blocks = budget // spec.bytes_per_block if budget > 0 else 0
+        budget, source = _cpu_budget(sizes, max_num_seqs, max_model_len, free_ram_bytes)
+    num_blocks = budget // sizes.bytes_per_block if budget > 0 else 0
     if num_blocks < 1:
         raise ValueError(f"KV budget too small for one block: {source} -> {budget} bytes < "
-                         f"{spec.bytes_per_block} bytes per block")
-    return _check(num_blocks, need, spec, max_model_len, source)
+                         f"{sizes.bytes_per_block} bytes per block")
+    return _check(num_blocks, sizes, max_model_len, source)
 
 
-def _check(num_blocks: int, need: int, spec: KVCacheSpec, max_model_len: int, source: str) -> int:
+@dataclass(frozen=True)
+class _BlockSizes:
+    bytes_per_block: int
+    block_size: int
+    per_request: int  # blocks one request of max_model_len tokens holds
+    per_default_seq: int  # blocks one request of the CPU default's length holds
+
+
+def _check(num_blocks: int, sizes: _BlockSizes, max_model_len: int, source: str) -> int:
+    need = sizes.per_request
     if num_blocks < need:
         raise ValueError(f"KV cache of {num_blocks} blocks ({source}) cannot hold one request of "
                          f"max_model_len={max_model_len} tokens: needs {need} blocks of "
-                         f"{spec.block_size} tokens ({need * spec.bytes_per_block} bytes)")
+                         f"{sizes.block_size} tokens ({need * sizes.bytes_per_block} bytes)")
     return num_blocks
 
 
@@ -264,10 +309,10 @@ def _gpu_budget(utilization, total, used, peak) -> tuple[int, str]:
                     f"peak activation {peak}) bytes")
 
 
-def _cpu_budget(spec: KVCacheSpec, max_num_seqs: int, max_model_len: int, free_ram) -> tuple[int, str]:
+def _cpu_budget(sizes: _BlockSizes, max_num_seqs: int, max_model_len: int, free_ram) -> tuple[int, str]:
     free = free_ram_bytes_fn() if free_ram is None else int(free_ram)
     tokens = min(max_model_len, CPU_EXPECTED_SEQ_TOKENS)
-    wanted = max_num_seqs * spec.blocks_for_tokens(tokens) * spec.bytes_per_block
+    wanted = max_num_seqs * sizes.per_default_seq * sizes.bytes_per_block
     cap = min(int(free * CPU_MAX_FREE_RAM_FRACTION), CPU_MAX_KV_BYTES)
     return min(wanted, cap), (f"CPU default min({max_num_seqs} seqs x {tokens} tokens = {wanted}, "
                               f"{CPU_MAX_FREE_RAM_FRACTION} x free RAM {free}, {CPU_MAX_KV_BYTES}) bytes")
@@ -288,21 +333,35 @@ class PagedKVCache:
     layer that reuses another's returns its owner's buffer (the same object).
     """
 
-    def __init__(self, spec: KVCacheSpec, num_blocks: int, backend: str = "numpy") -> None:
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, backend: str = "numpy",
+                 groups: Optional[KVCacheGroups] = None) -> None:
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
             raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
         if backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+        if groups is not None and groups.num_layers != spec.num_layers:
+            raise ValueError(f"groups cover {groups.num_layers} layers, the spec has {spec.num_layers}")
         self.spec, self.num_blocks, self.backend = spec, num_blocks, backend
+        self.groups = groups if groups is not None and groups.is_hybrid else None
         self._xp = _array_module(backend)
         own_k, own_v = {}, {}
-        for i in spec.owner_layers:
-            layer = spec.layers[i]
-            own_k[i] = self._zeros((num_blocks, spec.block_size, layer.k_heads, layer.k_head_dim))
-            own_v[i] = self._zeros((num_blocks, spec.block_size, layer.v_heads, layer.v_head_dim))
-        self._k = [own_k[spec.owner_of(i)] for i in range(spec.num_layers)]
-        self._v = [own_v[spec.owner_of(i)] for i in range(spec.num_layers)]
+        if self.groups is None:
+            for i in spec.owner_layers:
+                own_k[i], own_v[i] = self._pair(spec.layers[i])
+            self._k = [own_k[spec.owner_of(i)] for i in range(spec.num_layers)]
+            self._v = [own_v[spec.owner_of(i)] for i in range(spec.num_layers)]
+        else:
+            for position in range(self.groups.group_size):
+                own_k[position], own_v[position] = self._pair(spec.layers[0])
+            positions = [self.groups.position_of_layer(i)[1] for i in range(spec.num_layers)]
+            self._k = [own_k[p] for p in positions]
+            self._v = [own_v[p] for p in positions]
         self._owned = [*own_k.values(), *own_v.values()]
+
+    def _pair(self, layer: LayerKVSpec) -> tuple:
+        bs = self.spec.block_size
+        return (self._zeros((self.num_blocks, bs, layer.k_heads, layer.k_head_dim)),
+                self._zeros((self.num_blocks, bs, layer.v_heads, layer.v_head_dim)))
 
     def _zeros(self, shape: tuple) -> Any:
         if self.backend == "torch":
@@ -314,7 +373,7 @@ class PagedKVCache:
     @property
     def nbytes(self) -> int:
         """Bytes held by all K and V buffers (each shared buffer once)."""
-        return self.num_blocks * self.spec.bytes_per_block
+        return self.num_blocks * self.spec.bytes_per_block_of(self.groups)
 
     def _live(self) -> None:
         if self._k is None:

@@ -97,6 +97,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    "batch composition at float rounding level); takes an optional value")
     p.add_argument("--num-threads", type=int, default=None,
                    help="compute threads for torch and numba (default: the CPUs this process may use)")
+    p.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                   help="keep sliding-window layers' KV for the whole context (one KV group, as in models "
+                        "without sliding windows); the KV tiers imply it")
     _tier_flags(p)
 
 

@@ -13,8 +13,9 @@ engine therefore sets both to the same count once, at start-up:
 Spinning: both pools are GNU OpenMP here (two copies of it), whose idle workers spin
 before they sleep. ``OMP_WAIT_POLICY=PASSIVE`` made no difference on an idle machine and
 ``GOMP_SPINCOUNT`` tuning helped idle but collapsed under a competing process, so the
-defaults are left alone; both variables are honoured when the user sets them. Torch-free
-at import.
+defaults are left alone; both variables are honoured when the user sets them. While another
+process keeps some of those CPUs busy, ``thread_governor`` lowers the count between steps.
+Torch-free at import.
 """
 from __future__ import annotations
 
@@ -57,9 +58,8 @@ def resolve_num_threads(requested: Optional[int] = None) -> int:
     return available_cpus()
 
 
-def configure_threads(requested: Optional[int] = None) -> int:
-    """Give torch and numba the same thread count; returns it. Safe to call again."""
-    count = resolve_num_threads(requested)
+def set_compute_threads(count: int) -> None:
+    """Set torch's and numba's thread counts (numba's applies to the calling thread)."""
     try:
         import torch
 
@@ -72,6 +72,12 @@ def configure_threads(requested: Optional[int] = None) -> int:
         numba.set_num_threads(min(count, numba.config.NUMBA_NUM_THREADS))
     except ImportError:
         pass
+
+
+def configure_threads(requested: Optional[int] = None) -> int:
+    """Give torch and numba the same thread count; returns it. Safe to call again."""
+    count = resolve_num_threads(requested)
+    set_compute_threads(count)
     log.info("compute threads: %d (torch and numba)", count)
     return count
 

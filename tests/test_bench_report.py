@@ -103,3 +103,15 @@ def test_multi_turn_scenario_with_the_tiered_cache(tmp_path):
     assert rows["F"]["later_turn_prefill_tokens_computed"] < rows["E"]["later_turn_prefill_tokens_computed"]
     assert rows["F"]["kv_host_hit_tokens"] > 0
     assert "TTFT later turns mean ms" in (tmp_path / "bench.md").read_text()
+
+
+def test_long_context_scenario_compares_hybrid_on_and_off(tmp_path):
+    """On its own Gemma3-pattern model, E (hybrid KV groups) fits more long requests at once
+    than G (hybrid off) in the same bytes."""
+    opts = SuiteOptions(model="random-tiny", scenarios=("long-context",), scale="tiny", progress=False,
+                        out_dir=tmp_path, token_budget=128, block_size=16)
+    report = run_suite(opts)
+    rows = _rows(report, "long-context")
+    assert set(rows) == {"E", "G"}
+    assert rows["E"]["useful_tokens"] == rows["G"]["useful_tokens"] == report["scenarios"][0]["useful_tokens"]
+    assert rows["E"]["max_concurrency"] > rows["G"]["max_concurrency"]

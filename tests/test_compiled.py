@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvpage import LLM, SamplingParams
-from tiny_models import EXTENDED_FAMILIES, FAMILIES, VOCAB, hf_greedy, tiny_model
+from tiny_models import EXTENDED_FAMILIES, FAMILIES, VOCAB, hf_greedy, kv_groups_of, tiny_model
 
 SUBSET = ["llama", "mistral", "gemma2", "qwen3", "gpt2"]
 MATRIX = FAMILIES + EXTENDED_FAMILIES if os.environ.get("KVPAGE_COMPILED_MATRIX") else SUBSET
@@ -32,7 +32,8 @@ def test_compiled_greedy_matches_hf(family):
     prompts = _prompts(8, (1, 5, 17)) + [shared + t for t in _prompts(9, (0, 3, 6))]
     expected = [hf_greedy(model, p, 10) for p in prompts]
     # 14 blocks of 4 tokens (56 slots) cannot hold all six sequences: preemption happens too.
-    llm = LLM(model, block_size=4, num_kv_blocks=14, max_num_batched_tokens=7, max_model_len=48, enforce_eager=False)
+    llm = LLM(model, block_size=4, num_kv_blocks=14 * kv_groups_of(model), max_num_batched_tokens=7, max_model_len=48,
+              enforce_eager=False)
     try:
         assert llm.engine.runner.compiled is not None
         outs = llm.generate([prompts[3]] + prompts, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),

@@ -12,7 +12,7 @@ import torch
 
 from kvpage import LLM, SamplingParams
 from kvpage.adapters.hf_runner import UnsupportedModelError
-from tiny_models import EXTENDED_FAMILIES, FAMILIES, UNSUPPORTED_FAMILIES, VOCAB, hf_greedy, tiny_model
+from tiny_models import EXTENDED_FAMILIES, FAMILIES, UNSUPPORTED_FAMILIES, VOCAB, hf_greedy, kv_groups_of, tiny_model
 
 MAX_NEW = 10
 
@@ -75,7 +75,9 @@ def test_preemption_recompute_is_exact(family_model):
     prompts = _prompts(4, (9, 14, 6, 12, 10, 7))
     expected = [hf_greedy(model, p, MAX_NEW) for p in prompts]
     # 12 blocks of 4 tokens cannot hold six sequences of up to 24 tokens: preemption must happen.
-    got, stats = _run(model, prompts, block_size=4, num_kv_blocks=12, max_num_batched_tokens=16, max_model_len=48)
+    # (A hybrid model's block holds one KV group's layers: the same bytes are more blocks.)
+    got, stats = _run(model, prompts, block_size=4, num_kv_blocks=12 * kv_groups_of(model), max_num_batched_tokens=16,
+                      max_model_len=48)
     assert got == expected, family
     assert stats["num_preemptions"] > 0
 

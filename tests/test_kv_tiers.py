@@ -23,7 +23,7 @@ import torch
 from kvpage import LLM, SamplingParams
 from kvpage.core.config import disk_entry_bytes
 from kvpage.tiers.disk_store import DiskKVStore
-from tiny_models import VOCAB, tiny_model
+from tiny_models import VOCAB, kv_groups_of, tiny_model
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 BASE = dict(block_size=4, num_kv_blocks=24, max_model_len=96, dtype="float32")
@@ -63,7 +63,11 @@ def _check_drained(llm: LLM) -> None:
 
 @contextlib.contextmanager
 def engine(model, **options):
-    llm = LLM(model, **{**BASE, **options})
+    # Without tiers a hybrid model gets one KV group per attention kind, and a block holds one
+    # group's layers: the same bytes are more blocks. The tiers keep a single group.
+    tiers = options.get("kv_offloading_size") or options.get("kv_disk_cache")
+    base = dict(BASE, num_kv_blocks=BASE["num_kv_blocks"] * (1 if tiers else kv_groups_of(model)))
+    llm = LLM(model, **{**base, **options})
     try:
         yield llm
     finally:

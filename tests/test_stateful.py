@@ -1,7 +1,8 @@
 """Stateful fuzz of the scheduler over a tiny pool (constant memory pressure).
 
 Random interleavings of add / step (a fake model sampling random tokens) / finish / abort /
-fork / evict, for every combination of prefix caching, chunked prefill and policy. After
+fork / evict, for every combination of prefix caching, chunked prefill and policy, and with
+hybrid KV groups (a full-attention group and two sliding-window groups in one pool). After
 every rule the block accounting must balance; when the adds stop everything must drain
 and every block must come back.
 """
@@ -30,19 +31,25 @@ PREFIXES = ([1, 2, 3, 4], [1, 2, 3, 4, 6, 7, 1, 2], [3, 3, 3, 3, 3, 3])  # share
 
 EXAMPLES = 30
 STEPS_PER_EXAMPLE = 60
-CONFIGS = list(itertools.product((True, False), (True, False), ("fcfs", "priority")))
+HYBRID = (None, 8, 8)  # group 0 full, two sliding groups of an 8-token window (2 blocks)
+HYBRID_NUM_BLOCKS = 18
+CONFIGS = [(*c, (None,)) for c in itertools.product((True, False), (True, False), ("fcfs", "priority"))]
+CONFIGS += [(prefix, chunked, "fcfs", HYBRID) for prefix, chunked in itertools.product((True, False), (True, False))]
 MIN_TOTAL_OPS = 10_000
 
 totals = {"ops": 0, "steps": 0, "preemptions": 0, "hits": 0, "forks": 0, "copies": 0, "aborts": 0, "drained": 0}
 
 
-def machine_for(prefix: bool, chunked: bool, policy: str):
+def machine_for(prefix: bool, chunked: bool, policy: str, windows: tuple = (None,)):
+    num_blocks = NUM_BLOCKS if len(windows) == 1 else HYBRID_NUM_BLOCKS
+
     class SchedulerMachine(RuleBasedStateMachine):
         def __init__(self) -> None:
             super().__init__()
             budget = 16 if chunked else MAX_MODEL_LEN  # without chunking a prompt must fit whole
             self.s = Scheduler(
-                CacheConfig(block_size=BS, num_blocks=NUM_BLOCKS, enable_prefix_caching=prefix),
+                CacheConfig(block_size=BS, num_blocks=num_blocks, enable_prefix_caching=prefix,
+                            group_windows=windows),
                 SchedulerConfig(
                     max_num_seqs=MAX_SEQS,
                     max_num_batched_tokens=budget,
@@ -81,16 +88,19 @@ def machine_for(prefix: bool, chunked: bool, policy: str):
                 # request that ranks after them).
                 head = s.waiting.peek()
                 assert head is not None and head.sort_key <= min(r.sort_key for r in out.preempted)
-            slots = meta.slot_mapping.tolist()
-            assert len(set(slots)) == len(slots), "two tokens of one step write the same KV slot"
-            for i, r in enumerate(out.requests):  # slots follow the block tables
-                start, end = int(meta.query_start_loc[i]), int(meta.query_start_loc[i + 1])
-                for row in range(start, end):
-                    p = int(meta.positions[row])
-                    assert p == r.num_computed_tokens + row - start
-                    assert slots[row] == r.block_ids[p // BS] * BS + p % BS
+            for g in range(len(windows)):
+                slots = meta.for_group(g).slot_mapping.tolist()
+                assert len(set(slots)) == len(slots), "two tokens of one step write the same KV slot"
+                for i, r in enumerate(out.requests):  # slots follow the block tables
+                    start, end = int(meta.query_start_loc[i]), int(meta.query_start_loc[i + 1])
+                    assert r.released_blocks[g] <= r.num_computed_tokens // BS
+                    for row in range(start, end):
+                        p = int(meta.positions[row])
+                        assert p == r.num_computed_tokens + row - start
+                        assert p // BS >= r.released_blocks[g], "a new token's block left the window"
+                        assert slots[row] == r.block_tables[g][p // BS] * BS + p % BS
             for src, dst in meta.block_copies.tolist():
-                assert src != dst and any(dst in r.block_ids for r in out.requests)
+                assert src != dst and any(dst in table for r in out.requests for table in r.block_tables)
             totals["copies"] += len(meta.block_copies)
             totals["preemptions"] += len(out.preempted)
             totals["steps"] += 1
@@ -119,7 +129,8 @@ def machine_for(prefix: bool, chunked: bool, policy: str):
                 max_tokens=max_tokens, priority=priority, ignore_eos=ignore_eos, stop_token_ids=[STOP] if use_stop else []
             )
             worst_kv = min(len(prompt) + max_tokens, MAX_MODEL_LEN) - 1
-            fits = len(prompt) < MAX_MODEL_LEN and -(-worst_kv // BS) <= NUM_BLOCKS
+            held = self.s.kv.blocks_held(worst_kv, min(worst_kv, self.s.config.max_num_batched_tokens))
+            fits = len(prompt) < MAX_MODEL_LEN and held <= num_blocks
             if not fits:
                 with pytest.raises(ValueError):
                     self.s.make_request(rid, prompt, sp, eos_token_id=EOS)
@@ -179,7 +190,8 @@ def machine_for(prefix: bool, chunked: bool, policy: str):
             pool = self.s.pool
             free_before, cached_before = pool.num_free_blocks, pool.num_cached_blocks
             evicted = self.s.prefix_cache.evict(k)
-            assert 0 <= evicted <= k and pool.num_cached_blocks == cached_before - evicted
+            # A node takes its other groups' blocks with it, so hybrid evictions may exceed k.
+            assert 0 <= evicted <= k * len(windows) and pool.num_cached_blocks == cached_before - evicted
             assert pool.num_free_blocks == free_before  # idle cached blocks already counted as free
 
         # ------------------------------------------------------------------ invariants
@@ -195,8 +207,13 @@ def machine_for(prefix: bool, chunked: bool, policy: str):
             for r in s.requests.values():
                 assert r.status in (RequestStatus.WAITING, RequestStatus.RUNNING)
                 assert len(r.block_ids) == -(-r.num_computed_tokens // BS) or r.num_computed_tokens == 0 == len(r.block_ids)
-                for b in r.block_ids:
-                    holders.setdefault(b, set()).add(r.request_id)
+                for g, window in enumerate(windows):
+                    held = r.held_blocks(g) if g < len(r.block_tables) else []
+                    if window is not None and r.status is RequestStatus.RUNNING:
+                        # Between steps a sliding group holds only its window's blocks.
+                        assert len(held) <= -(-(window - 1) // BS) + 1, (r, g, held)
+                    for b in held:
+                        holders.setdefault(b, set()).add(r.request_id)
             for b, who in holders.items():
                 if len(who) > 1 and not pool.is_cached(b):
                     assert len({self.family[w] for w in who}) == 1, f"block {b} shared by unrelated {who}"
@@ -218,7 +235,7 @@ def machine_for(prefix: bool, chunked: bool, policy: str):
             s.check_integrity()
             totals["drained"] += 1
 
-    SchedulerMachine.__name__ = f"Machine_prefix{prefix}_chunked{chunked}_{policy}"
+    SchedulerMachine.__name__ = f"Machine_prefix{prefix}_chunked{chunked}_{policy}_groups{len(windows)}"
     return SchedulerMachine
 
 
@@ -231,8 +248,8 @@ def test_scheduler_state_machine_all_configs():
         derandomize=True,
         database=None,
     )
-    for prefix, chunked, policy in CONFIGS:
-        run_state_machine_as_test(machine_for(prefix, chunked, policy), settings=cfg)
+    for prefix, chunked, policy, windows in CONFIGS:
+        run_state_machine_as_test(machine_for(prefix, chunked, policy, windows), settings=cfg)
     assert totals["ops"] >= MIN_TOTAL_OPS, totals
     # The fuzz must actually reach the interesting paths.
     assert totals["preemptions"] > 0 and totals["forks"] > 0 and totals["copies"] > 0, totals

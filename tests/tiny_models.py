@@ -96,6 +96,17 @@ def tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32):
     return model.eval()
 
 
+def kv_groups_of(model) -> int:
+    """KV groups the engine gives ``model`` (more than one for hybrid sliding-window models).
+
+    With hybrid groups a pool block holds one group's layers, not every layer's, so tests
+    that size a pool in blocks scale it by this to keep the same bytes.
+    """
+    from kvpage.adapters.config_spec import kv_spec_from_config
+
+    return kv_spec_from_config(model.config, 4, "float32").kv_groups().num_groups
+
+
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     """HF ``generate`` greedy continuation of one unpadded prompt, ignoring EOS."""
     with torch.inference_mode():

@@ -7,6 +7,8 @@ requests (more on scenarios with shorter ``max_len``), while the paged configura
 fit as many as the actual token counts allow. ``multi-turn`` sizes its own pool
 (``Workload.kv_budget_tokens``: a quarter of its conversations' history) so that its
 working set is several times the pool; it is left out of the shared budget.
+``long-context`` also brings its own model (``workload.SCENARIO_MODELS``) and pool, and
+compares E with and without hybrid KV groups (G) under that pool's bytes.
 """
 from __future__ import annotations
 
@@ -18,7 +20,8 @@ from typing import Any, Optional
 from . import machine, model as model_mod, report, workload as wl
 from .runners import CONFIGS, RunContext
 
-DEFAULT_CONFIGS = {"sharegpt": "ABCDE", "burst": "ABCD", "shared-prefix": "ABDE", "multi-turn": "EF"}
+DEFAULT_CONFIGS = {"sharegpt": "ABCDE", "burst": "ABCD", "shared-prefix": "ABDE", "multi-turn": "EF",
+                   "long-context": "GE"}
 
 
 @dataclass
@@ -79,16 +82,25 @@ def run_suite(opts: SuiteOptions) -> dict[str, Any]:
 
     started = time.time()
     loaded = model_mod.load(opts.model, opts.seed, opts.device)
+    models = {opts.model: loaded}
+
+    def model_for(scenario: str):
+        name = wl.SCENARIO_MODELS.get(scenario, opts.model)
+        if name not in models:
+            models[name] = model_mod.load(name, opts.seed, opts.device)
+        return models[name]
+
     scale = wl.SCALES[opts.scale]
-    workloads = [wl.build(name, scale, loaded.vocab_size, opts.seed, opts.rate) for name in opts.scenarios]
+    workloads = [wl.build(name, scale, model_for(name).vocab_size, opts.seed, opts.rate) for name in opts.scenarios]
     budget = _budget(opts, loaded, workloads)
     letters = opts.configs or DEFAULT_CONFIGS
     total = sum(len(letters.get(w.name, "ABCDE")) for w in workloads)
     scenarios = []
     with tqdm(total=total, desc="kvpage bench", unit="run", disable=not opts.progress) as bar:
         for workload in workloads:
-            scenario_budget = _scenario_budget(opts, loaded, workload, budget)
-            scenarios.append(_run_scenario(opts, loaded, workload, scenario_budget, bar))
+            own = model_for(workload.name)
+            scenario_budget = _scenario_budget(opts, own, workload, budget)
+            scenarios.append(_run_scenario(opts, own, workload, scenario_budget, bar))
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(opts).items()}
     settings.update(num_params=loaded.num_params, kv_bytes_per_token=loaded.kv_bytes_per_token,
                     kv_budget_bytes=budget, scale_params=asdict(scale))

@@ -10,6 +10,10 @@ All times are seconds from the start of a run.
 is only known once the previous turn has answered (the whole history so far, the model's
 replies included, plus the new message). Its ``BenchRequest.prompt_ids`` hold a turn's
 new tokens only; the runner builds the full prompt (``runners/multi_turn.py``).
+
+``long-context`` runs on a model of its own (``Workload.model``: a Gemma3-pattern model,
+five sliding-window layers to one full one), with prompts many windows long and a pool
+sized for a few of them without hybrid KV groups.
 """
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ from typing import Optional
 
 import numpy as np
 
-SCENARIOS = ("sharegpt", "burst", "shared-prefix", "multi-turn")
+SCENARIOS = ("sharegpt", "burst", "shared-prefix", "multi-turn", "long-context")
 FIRST_TOKEN_ID = 3  # ids 0-2 are pad/bos/eos in the random models; keep prompts clear of them
 
 
@@ -48,6 +52,7 @@ class Workload:
     closed_loop: bool = False  # multi-turn: a turn is sent when the previous one has answered
     max_active: int = 0  # closed loop: conversations with a turn in flight at once
     kv_budget_tokens: Optional[int] = None  # the pool this scenario is sized for (tokens)
+    model: Optional[str] = None  # the model this scenario needs, if not the suite's
 
     @property
     def max_len(self) -> int:
@@ -100,26 +105,34 @@ class Scale:
     user_len: int = 16
     reply_len: int = 32
     max_active: int = 3
+    long_requests: int = 16
+    long_prompt_median: int = 1536
+    long_max_prompt: int = 2560
+    long_output: int = 32
+    long_pool_seqs: int = 3
 
 
 SCALES = {
     "tiny": Scale(num_requests=8, prompt_median=12, output_median=6, max_prompt=32, max_output=12,
                   arrival_rate=200.0, burst_decoders=4, burst_long_prompts=1, burst_long_len=40, burst_gap_s=0.01,
                   system_prompt_len=32, question_median=6, conversations=4, turns=3, context_len=24, user_len=4,
-                  reply_len=4, max_active=1),
+                  reply_len=4, max_active=1, long_requests=6, long_prompt_median=384, long_max_prompt=448,
+                  long_output=24, long_pool_seqs=2),
     # Small but busy: more requests arrive at once than A's static batch holds, so the quick
     # chart still shows A's concurrency wall against the paged configurations.
     "quick": Scale(num_requests=32, prompt_median=24, output_median=12, max_prompt=128, max_output=32,
                    arrival_rate=100.0, burst_decoders=24, burst_long_prompts=2, burst_long_len=128, burst_gap_s=0.2,
                    system_prompt_len=128, question_median=12, conversations=8, turns=4, context_len=256,
-                   user_len=12, reply_len=16, max_active=2),
+                   user_len=12, reply_len=16, max_active=2, long_requests=8, long_prompt_median=768,
+                   long_max_prompt=1024, long_output=16),
     # Enough requests, arriving fast enough, for paged batching to outgrow static's batch.
     "cpu": Scale(num_requests=64, arrival_rate=40.0, burst_decoders=32, burst_long_prompts=4),
     # Published-benchmark sizes: ShareGPT-like lengths (median prompt ~200, output ~150) and a 1k system prompt.
     "full": Scale(num_requests=400, prompt_median=200, prompt_sigma=1.0, output_median=150, output_sigma=0.8,
                   max_prompt=1536, max_output=512, arrival_rate=20.0, burst_decoders=128, burst_long_prompts=8,
                   burst_long_len=1536, burst_gap_s=0.5, system_prompt_len=1024, question_median=48,
-                  conversations=64, turns=10, context_len=2048, user_len=64, reply_len=128, max_active=16),
+                  conversations=64, turns=10, context_len=2048, user_len=64, reply_len=128, max_active=16,
+                  long_requests=64, long_prompt_median=6144, long_max_prompt=7936, long_output=128, long_pool_seqs=8),
 }
 
 
@@ -205,6 +218,29 @@ def multi_turn(scale: Scale, vocab: int, seed: int) -> Workload:
                     kv_budget_tokens=pool)
 
 
+#: The model of ``long-context`` (``model.RANDOM_SIZES``): five sliding layers to one full.
+LONG_CONTEXT_MODEL = "random-gemma3"
+#: Scenarios that run on a model of their own rather than the suite's.
+SCENARIO_MODELS = {"long-context": LONG_CONTEXT_MODEL}
+
+
+def long_context(scale: Scale, vocab: int, seed: int) -> Workload:
+    """Long prompts (many sliding windows each) all at t=0, a pool for ``long_pool_seqs`` of
+    them at full length without hybrid KV groups: what hybrid memory buys is concurrency."""
+    rng = np.random.default_rng(seed + 4)
+    count = scale.long_requests
+    lengths = _lognormal(rng, scale.long_prompt_median, 0.25, count, scale.long_prompt_median // 2,
+                         scale.long_max_prompt)
+    requests = tuple(BenchRequest(f"l{i}", _prompt(rng, int(n), vocab), scale.long_output)
+                     for i, n in enumerate(lengths))
+    longest = int(lengths.max()) + scale.long_output
+    pool = scale.long_pool_seqs * longest
+    description = (f"{count} prompts of median {scale.long_prompt_median} tokens (up to {int(lengths.max())}), "
+                   f"{scale.long_output} output tokens each, all at t=0, on {LONG_CONTEXT_MODEL} (5 sliding : 1 full); the pool "
+                   f"holds {scale.long_pool_seqs} requests at full length without hybrid KV groups")
+    return Workload("long-context", requests, description, kv_budget_tokens=pool, model=LONG_CONTEXT_MODEL)
+
+
 def build(name: str, scale: Scale, vocab: int, seed: int, rate: Optional[float] = None) -> Workload:
     """The workload ``name`` (one of ``SCENARIOS``); raises ``ValueError`` for unknown names."""
     if name == "sharegpt":
@@ -215,4 +251,6 @@ def build(name: str, scale: Scale, vocab: int, seed: int, rate: Optional[float] 
         return shared_prefix(scale, vocab, seed, rate)
     if name == "multi-turn":
         return multi_turn(scale, vocab, seed)
+    if name == "long-context":
+        return long_context(scale, vocab, seed)
     raise ValueError(f"unknown scenario {name!r}; choose from {', '.join(SCENARIOS)}")

@@ -1,7 +1,7 @@
 """The numpy-only core of kvpage: what to run each step, and which KV blocks it uses.
 
 Owns: the block pool (``block_pool``), the radix prefix cache (``radix_cache``), per-request
-block tables (``kv_cache_manager``), the iteration-level scheduler (``scheduler``,
+block tables (``kv_cache_manager``) and their KV groups for hybrid models (``kv_groups``), the iteration-level scheduler (``scheduler``,
 ``waiting_queue``), request state (``request``), the per-step metadata handed to a model
 runner (``metadata``), and validated configuration (``config``, ``sampling_params``).
 Under the prefix cache: stable block hashes (``block_hash``), the lower tiers' indexes and
@@ -17,6 +17,7 @@ from __future__ import annotations
 from .block_pool import BlockPool, NoFreeBlocksError
 from .config import CacheConfig, EngineConfig, SchedulerConfig
 from .kv_cache_manager import KVCacheManager
+from .kv_groups import KVCacheGroups, KVGroup, plan_kv_groups
 from .metadata import StepMetadata, build_step_metadata
 from .radix_cache import PrefixMatch, RadixCache
 from .request import FinishReason, Request, RequestStatus
@@ -25,6 +26,6 @@ from .scheduler import QueueFullError, Scheduler, SchedulerOutput
 
 __all__ = [
     "BlockPool", "NoFreeBlocksError", "CacheConfig", "EngineConfig", "SchedulerConfig", "KVCacheManager",
-    "StepMetadata", "build_step_metadata", "PrefixMatch", "RadixCache", "FinishReason", "Request",
+    "KVCacheGroups", "KVGroup", "plan_kv_groups", "StepMetadata", "build_step_metadata", "PrefixMatch", "RadixCache", "FinishReason", "Request",
     "RequestStatus", "SamplingParams", "QueueFullError", "Scheduler", "SchedulerOutput",
 ]

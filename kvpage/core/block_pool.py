@@ -9,6 +9,8 @@ A block is in exactly one of three states::
 ``num_free_blocks`` counts free + cached-idle blocks: both are available to a new
 allocation, the latter after eviction. Allocation and free are O(1); when the free
 stack runs dry the pool asks its evictor (the RadixCache) to release idle cached blocks.
+Each block carries the tag it was allocated with (the KV group of a hybrid model), and
+usage and fragmentation are kept per tag as well.
 """
 from __future__ import annotations
 
@@ -35,11 +37,16 @@ class BlockEvictor(Protocol):
 class BlockPool:
     """A pool of ``num_blocks`` KV blocks of ``block_size`` token slots each."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
-        if num_blocks <= 0 or block_size <= 0:
-            raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}")
+    def __init__(self, num_blocks: int, block_size: int, num_tags: int = 1) -> None:
+        if num_blocks <= 0 or block_size <= 0 or num_tags <= 0:
+            raise ValueError(f"num_blocks, block_size and num_tags must be positive, got {num_blocks}, "
+                             f"{block_size}, {num_tags}")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.num_tags = num_tags
+        self._tag = [0] * num_blocks  # what allocated it; kept while it is cached
+        self._referenced_of_tag = [0] * num_tags
+        self._fill_of_tag = [0] * num_tags
         # Reversed so that block 0 is handed out first (readable traces, no other meaning).
         self._free_stack: list[int] = list(range(num_blocks - 1, -1, -1))
         self._ref_count = [0] * num_blocks
@@ -82,6 +89,18 @@ class BlockPool:
         slots = self._num_referenced * self.block_size
         return 0.0 if slots == 0 else 1.0 - self._referenced_fill / slots
 
+    def tag_usage(self, tag: int) -> float:
+        """Fraction of all blocks referenced by live requests under ``tag``."""
+        return self._referenced_of_tag[tag] / self.num_blocks
+
+    def tag_num_used_blocks(self, tag: int) -> int:
+        return self._referenced_of_tag[tag]
+
+    def tag_fragmentation(self, tag: int) -> float:
+        """``fragmentation`` over the referenced blocks of ``tag``."""
+        slots = self._referenced_of_tag[tag] * self.block_size
+        return 0.0 if slots == 0 else 1.0 - self._fill_of_tag[tag] / slots
+
     def ref_count(self, block_id: int) -> int:
         self._check_id(block_id)
         return self._ref_count[block_id]
@@ -98,8 +117,8 @@ class BlockPool:
     def can_allocate(self, num_blocks: int) -> bool:
         return num_blocks <= self.num_free_blocks
 
-    def allocate(self, num_blocks: int) -> list[int]:
-        """Return ``num_blocks`` fresh blocks, each with ref_count 1 and fill 0.
+    def allocate(self, num_blocks: int, tag: int = 0) -> list[int]:
+        """Return ``num_blocks`` fresh blocks, each with ref_count 1, fill 0 and ``tag``.
 
         Raises ``NoFreeBlocksError`` (and changes nothing) if fewer are free or evictable.
         """
@@ -116,11 +135,15 @@ class BlockPool:
                 # Cannot happen while the evictor keeps its contract (every cached-idle block
                 # is evictable); fail loudly rather than pop from an empty stack.
                 raise NoFreeBlocksError(f"the evictor released fewer than the {shortfall} idle blocks counted as free")
+        if not 0 <= tag < self.num_tags:
+            raise ValueError(f"tag must be in [0, {self.num_tags}), got {tag!r}")
         blocks = [self._free_stack.pop() for _ in range(num_blocks)]
         for b in blocks:
             self._ref_count[b] = 1
             self._fill[b] = 0
+            self._tag[b] = tag
         self._num_referenced += num_blocks
+        self._referenced_of_tag[tag] += num_blocks
         return blocks
 
     def incref(self, block_ids: Iterable[int]) -> None:
@@ -140,6 +163,9 @@ class BlockPool:
                 self._num_cached_idle -= 1
                 self._num_referenced += 1
                 self._referenced_fill += self._fill[b]
+                tag = self._tag[b]
+                self._referenced_of_tag[tag] += 1
+                self._fill_of_tag[tag] += self._fill[b]
             self._ref_count[b] = rc + 1
 
     def free(self, block_ids: Sequence[int]) -> None:
@@ -161,6 +187,9 @@ class BlockPool:
                 continue
             self._num_referenced -= 1
             self._referenced_fill -= self._fill[b]
+            tag = self._tag[b]
+            self._referenced_of_tag[tag] -= 1
+            self._fill_of_tag[tag] -= self._fill[b]
             if self._cached[b]:
                 self._num_cached_idle += 1
                 if self._evictor is not None:
@@ -176,6 +205,7 @@ class BlockPool:
             raise ValueError(f"fill must be in [0, {self.block_size}], got {num_tokens}")
         if self._ref_count[block_id] > 0:
             self._referenced_fill += num_tokens - self._fill[block_id]
+            self._fill_of_tag[self._tag[block_id]] += num_tokens - self._fill[block_id]
         self._fill[block_id] = num_tokens
 
     def raise_fill(self, block_id: int, num_tokens: int) -> None:
@@ -187,6 +217,7 @@ class BlockPool:
                 raise ValueError(f"fill must be in [0, {self.block_size}], got {num_tokens}")
             if self._ref_count[block_id] > 0:
                 self._referenced_fill += num_tokens - fill
+                self._fill_of_tag[self._tag[block_id]] += num_tokens - fill
             self._fill[block_id] = num_tokens
 
     # ------------------------------------------------------------------ prefix-cache hooks
@@ -225,6 +256,10 @@ class BlockPool:
             assert self._ref_count[b] == 0 and not self._cached[b], f"block {b} free but held"
         fill = sum(self._fill[b] for b in range(self.num_blocks) if self._ref_count[b] > 0)
         assert fill == self._referenced_fill, (fill, self._referenced_fill)
+        for tag in range(self.num_tags):
+            held = [b for b in range(self.num_blocks) if self._ref_count[b] > 0 and self._tag[b] == tag]
+            assert len(held) == self._referenced_of_tag[tag], (tag, len(held), self._referenced_of_tag[tag])
+            assert sum(self._fill[b] for b in held) == self._fill_of_tag[tag], f"tag {tag}: fill count drifted"
 
     def _check_id(self, block_id: int) -> None:
         if type(block_id) is int and 0 <= block_id < self.num_blocks:

@@ -44,6 +44,9 @@ class CacheConfig:
             pool are kept; needs prefix caching.
         num_disk_blocks: blocks of the disk tier (0: none); needs a host tier to read through.
         enable_kv_events: record KV events (``Scheduler.take_kv_events``).
+        group_windows: each KV group's sliding window (``None``: full attention), group 0
+            full (``kv_groups``); one group unless the model is hybrid. The lower tiers
+            need a single group.
     """
 
     block_size: int = 16
@@ -52,6 +55,7 @@ class CacheConfig:
     num_host_blocks: int = 0
     num_disk_blocks: int = 0
     enable_kv_events: bool = False
+    group_windows: tuple = (None,)
 
     def __post_init__(self) -> None:
         _require_positive_int("block_size", self.block_size)
@@ -66,6 +70,15 @@ class CacheConfig:
             raise ValueError("the KV tiers keep prefix-cache blocks: they need enable_prefix_caching")
         if self.num_disk_blocks and not self.num_host_blocks:
             raise ValueError("the disk tier reads through host memory: num_disk_blocks needs num_host_blocks")
+        windows = tuple(self.group_windows)
+        object.__setattr__(self, "group_windows", windows)
+        if not windows or windows[0] is not None:
+            raise ValueError(f"group_windows must start with a full-attention group (None), got {windows!r}")
+        for window in windows[1:]:
+            if window is not None:
+                _require_positive_int("a sliding window", window)
+        if len(windows) > 1 and self.num_host_blocks:
+            raise ValueError("the lower KV tiers need a single KV group (disable the hybrid KV cache manager)")
 
     @property
     def num_token_slots(self) -> int:
@@ -158,6 +171,8 @@ class EngineConfig:
         kv_disk_cache_size: its size cap in GiB (default ``DEFAULT_DISK_CACHE_GIB``).
         kv_events_config: publish KV events for routers (a ``KVEventsConfig``, or its dict
             or JSON form, as vLLM's ``--kv-events-config``).
+        disable_hybrid_kv_cache_manager: keep every layer's KV for the whole context even in
+            models with sliding-window layers (one KV group; vLLM's flag). The KV tiers imply it.
     """
 
     block_size: int = 16
@@ -182,6 +197,7 @@ class EngineConfig:
     kv_disk_cache: Optional[str] = None
     kv_disk_cache_size: Optional[float] = None
     kv_events_config: Any = None
+    disable_hybrid_kv_cache_manager: bool = False
 
     def __post_init__(self) -> None:
         CacheConfig(self.block_size, 1, self.enable_prefix_caching)  # validates block_size
@@ -239,12 +255,22 @@ class EngineConfig:
             return self.max_num_batched_tokens
         return max(self.max_num_batched_tokens, max_model_len)
 
+    @property
+    def uses_kv_tiers(self) -> bool:
+        return bool(self.kv_offloading_size or self.kv_disk_cache)
+
+    @property
+    def hybrid_kv_cache(self) -> bool:
+        """Whether a hybrid model may get one KV group per attention kind."""
+        return not self.disable_hybrid_kv_cache_manager and not self.uses_kv_tiers
+
     def cache_config(self, num_blocks: int, bytes_per_block: Optional[int] = None,
-                     max_model_len: int = 2048) -> CacheConfig:
+                     max_model_len: int = 2048, group_windows: tuple = (None,)) -> CacheConfig:
         """The pool of ``num_blocks`` blocks; with ``bytes_per_block``, the tiers too."""
         host, disk = self.tier_blocks(bytes_per_block, max_model_len) if bytes_per_block else (0, 0)
         events = self.kv_events_config is not None and self.kv_events_config.enable_kv_cache_events
-        return CacheConfig(self.block_size, num_blocks, self.enable_prefix_caching, host, disk, events)
+        return CacheConfig(self.block_size, num_blocks, self.enable_prefix_caching, host, disk, events,
+                           tuple(group_windows))
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         return SchedulerConfig(self.max_num_seqs, self.step_token_budget(max_model_len), max_model_len,

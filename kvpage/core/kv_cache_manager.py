@@ -8,12 +8,19 @@ Block regions of one request, in tokens (``bs`` = block_size)::
 Blocks are appended as tokens need slots; full blocks never change again, so only the
 block receiving new tokens can be shared *and* written, which is where copy-on-write
 applies.
+
+With several KV groups (``kv_groups``: a hybrid model's full and sliding-window layers)
+a request holds one table per group, all covering the same token positions and grown
+together from the one pool. In a sliding group the blocks behind the window go back to
+the pool (``release_out_of_window``), or, if cached, stay in the prefix cache as
+evictable; their table entries become padding.
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional, Sequence
 
 from .block_pool import BlockPool
+from .kv_groups import KVGroup
 from .radix_cache import PrefixMatch, RadixCache
 from .request import Request
 
@@ -32,11 +39,20 @@ class KVCacheManager:
     (with an optional ``KVOffloadManager`` for the lower tiers under it)."""
 
     def __init__(self, pool: BlockPool, prefix_cache: Optional[RadixCache] = None,
-                 offload: Optional["KVOffloadManager"] = None) -> None:
+                 offload: Optional["KVOffloadManager"] = None, windows: Sequence[Optional[int]] = (None,)) -> None:
+        """``windows``: each KV group's sliding window (``None``: full attention); group 0
+        must be full attention. Lower tiers (``offload``) need a single group."""
         self.pool = pool
         self.prefix_cache = prefix_cache
         self.offload = offload
         self.block_size = pool.block_size
+        self.groups = tuple(KVGroup((), w) for w in windows)
+        if not self.groups or self.groups[0].is_sliding:
+            raise ValueError(f"group 0 must be full attention, got windows {tuple(windows)}")
+        if offload is not None and len(self.groups) > 1:
+            raise ValueError("the lower KV tiers keep one block table per request: they need a single KV group")
+        self.num_groups = len(self.groups)
+        self.sliding_groups = tuple(g for g, group in enumerate(self.groups) if group.is_sliding)
         self.num_pool_hit_tokens = 0  # tokens served by pool blocks, over every admission
 
     # ------------------------------------------------------------------ admission
@@ -66,7 +82,8 @@ class KVCacheManager:
         held = max(len(request.block_ids), len(hit.block_ids) if hit else 0)
         computed = max(request.num_computed_tokens, hit.num_tokens if hit else 0)
         needed = cdiv(computed + num_new_tokens, self.block_size) - held
-        return max(needed, 0) + int(self._needs_copy(request, num_new_tokens))
+        copies = sum(self._needs_copy(request, g, num_new_tokens) for g in range(len(request.block_tables)))
+        return max(needed, 0) * self.num_groups + copies
 
     def allocate_slots(self, request: Request, num_new_tokens: int, hit: Optional[PrefixMatch] = None) -> bool:
         """Reserve KV slots for ``num_new_tokens`` more tokens of ``request``.
@@ -74,17 +91,26 @@ class KVCacheManager:
         With ``hit`` (only for a request holding no blocks) the cached blocks are locked
         first and the request's computed tokens jump to the end of the hit; the hit's host
         blocks get fresh pool blocks, loaded before the step's forward (and cached with the
-        step's other full blocks by ``cache_scheduled_blocks``).
-        Returns False, changing nothing, when the pool cannot supply the blocks.
+        step's other full blocks by ``cache_scheduled_blocks``). In every group the same
+        positions get blocks; sliding groups first give back what left their window.
+        Returns False, changing nothing else, when the pool cannot supply the blocks.
         """
+        tables = request.block_tables
         if num_new_tokens == 1 and hit is None:
             # Fast path for most decodes: the token lands inside a private, partly filled block.
             index, offset = divmod(request.num_computed_tokens, self.block_size)
-            if offset:
-                block = request.block_ids[index]
-                if self.pool.ref_count(block) == 1:
-                    self.pool.raise_fill(block, offset + 1)
-                    return True
+            if offset and all(self.pool.ref_count(table[index]) == 1 for table in tables):
+                for table in tables:
+                    self.pool.raise_fill(table[index], offset + 1)
+                return True
+        if len(tables) != self.num_groups:
+            if any(tables):
+                raise ValueError(f"request {request.request_id!r} holds {len(tables)} block tables, "
+                                 f"this cache has {self.num_groups} groups")
+            request.block_tables = tables = [[] for _ in self.groups]
+            request.released_blocks = [0] * self.num_groups
+        if self.sliding_groups:
+            self.release_out_of_window(request)
         if hit is not None and hit.num_tokens:
             if request.block_ids:
                 raise ValueError(
@@ -94,15 +120,16 @@ class KVCacheManager:
                 return False
         start = request.num_computed_tokens
         end = start + num_new_tokens
-        missing = cdiv(end, self.block_size) - len(request.block_ids)
-        copy = self._needs_copy(request, num_new_tokens)
-        if missing > 0 or copy:
-            if max(missing, 0) + copy > self.pool.num_free_blocks:
+        missing = cdiv(end, self.block_size) - len(request.block_ids)  # the same in every group
+        copies = [g for g in range(self.num_groups) if self._needs_copy(request, g, num_new_tokens)]
+        if missing > 0 or copies:
+            if max(missing, 0) * self.num_groups + len(copies) > self.pool.num_free_blocks:
                 return False
-            if copy:
-                self._copy_on_write(request)
+            for g in copies:
+                self._copy_on_write(request, g)
             if missing > 0:
-                request.block_ids.extend(self.pool.allocate(missing))
+                for g, table in enumerate(tables):
+                    table.extend(self.pool.allocate(missing, g))
         if hit is not None and hit.load_hashes:
             first = len(hit.block_ids)
             self.offload.plan_loads(hit.load_hashes, request.block_ids[first : first + len(hit.load_hashes)])
@@ -113,40 +140,78 @@ class KVCacheManager:
     def _take_hit(self, request: Request, num_new_tokens: int, hit: PrefixMatch) -> bool:
         """Lock the hit's pool blocks and its host entries, or change nothing and return False."""
         # Locking an idle cached block takes it out of the free count just like a fresh one.
-        idle_hits = sum(1 for b in hit.block_ids if self.pool.ref_count(b) == 0)
+        held = [list(hit.block_ids)] + [list(blocks) for _, blocks in hit.group_blocks]
+        locked = [b for blocks in held for b in blocks]
+        idle_hits = sum(1 for b in locked if self.pool.ref_count(b) == 0)
         if self.num_blocks_needed(request, num_new_tokens, hit) + idle_hits > self.pool.num_free_blocks:
             return False
         if hit.load_hashes:
             self.offload.pin_for_load(hit.load_hashes)  # before an allocation's evictions reach the host tier
-        self.pool.incref(hit.block_ids)  # lock before any allocation can evict them
+        self.pool.incref(locked)  # lock before any allocation can evict them
         request.block_ids.extend(hit.block_ids)
+        for g, (first, blocks) in enumerate(hit.group_blocks, start=1):
+            # A sliding group's hit starts at its window: the blocks before it are padding.
+            request.block_tables[g] = [0] * first + list(blocks)
+            request.released_blocks[g] = first
         request.num_computed_tokens = request.num_cached_tokens = hit.num_tokens
         request.num_inserted_blocks = len(hit.block_ids)
         self.num_pool_hit_tokens += len(hit.block_ids) * self.block_size
         return True
 
-    def _needs_copy(self, request: Request, num_new_tokens: int) -> bool:
-        """True when the new tokens land in a partially filled block someone else also holds."""
+    def _needs_copy(self, request: Request, group: int, num_new_tokens: int) -> bool:
+        """True when the new tokens land in a partially filled block of ``group`` that
+        someone else also holds."""
         offset = request.num_computed_tokens % self.block_size
-        if num_new_tokens <= 0 or offset == 0 or not request.block_ids:
+        table = request.block_tables[group]
+        if num_new_tokens <= 0 or offset == 0 or not table:
             return False
-        target = request.block_ids[request.num_computed_tokens // self.block_size]
-        return self.pool.ref_count(target) > 1
+        return self.pool.ref_count(table[request.num_computed_tokens // self.block_size]) > 1
 
-    def _copy_on_write(self, request: Request) -> None:
+    def _copy_on_write(self, request: Request, group: int) -> None:
+        table = request.block_tables[group]
         index = request.num_computed_tokens // self.block_size
-        shared = request.block_ids[index]
-        (private,) = self.pool.allocate(1)
+        shared = table[index]
+        (private,) = self.pool.allocate(1, group)
         self.pool.set_fill(private, self.pool.fill(shared))
         self.pool.free([shared])
-        request.block_ids[index] = private
+        table[index] = private
+        # A block id means the same tokens in every buffer, so one copy serves any group.
         request.pending_block_copies.append((shared, private))
 
     def _update_fill(self, request: Request, start: int, end: int) -> None:
         bs = self.block_size
-        blocks = request.block_ids
-        for index in range(start // bs, cdiv(end, bs)):
-            self.pool.raise_fill(blocks[index], min(end - index * bs, bs))
+        for table in request.block_tables:
+            for index in range(start // bs, cdiv(end, bs)):
+                self.pool.raise_fill(table[index], min(end - index * bs, bs))
+
+    # ------------------------------------------------------------------ sliding windows
+    def release_out_of_window(self, request: Request) -> None:
+        """Give back the blocks of each sliding group that no query of ``request`` will read
+        again (wholly before the window of its next position, ``num_computed_tokens``).
+
+        A cached one stays in the prefix cache, evictable; the entries become padding.
+        """
+        for g in self.sliding_groups:
+            table = request.block_tables[g]
+            first = min(self.groups[g].first_needed_block(request.num_computed_tokens, self.block_size), len(table))
+            released = request.released_blocks[g]
+            if first > released:
+                self.pool.free(table[released:first])
+                table[released:first] = [0] * (first - released)
+                request.released_blocks[g] = first
+
+    def group_stats(self) -> list[dict]:
+        """Per group: its window (``None``: full), blocks its requests hold, the share of the
+        pool that is, and the share of their token slots holding no token."""
+        pool = self.pool
+        return [{"sliding_window": group.sliding_window, "num_used_blocks": pool.tag_num_used_blocks(g),
+                 "usage": pool.tag_usage(g), "fragmentation": pool.tag_fragmentation(g)}
+                for g, group in enumerate(self.groups)]
+
+    def blocks_held(self, num_tokens: int, chunk_tokens: int = 1) -> int:
+        """Most blocks one request of ``num_tokens`` tokens holds over all groups while a
+        step writes ``chunk_tokens`` of them."""
+        return sum(group.blocks_held(num_tokens, self.block_size, chunk_tokens) for group in self.groups)
 
     @staticmethod
     def take_pending_copies(requests: Sequence[Request]) -> list[tuple[int, int]]:
@@ -177,7 +242,8 @@ class KVCacheManager:
         # Resume after the blocks already offered: re-walking the whole prefix every time a
         # block fills would cost O(context) per decode block.
         added = self.prefix_cache.insert(
-            request.all_token_ids, request.block_ids[:num_full], request.namespace, start_block=start
+            request.all_token_ids, request.block_ids[:num_full], request.namespace, start_block=start,
+            group_tables=request.block_tables[1:],
         )
         request.num_inserted_blocks = num_full
         return request.block_ids[start : start + added]
@@ -196,19 +262,24 @@ class KVCacheManager:
     # ------------------------------------------------------------------ release
     def free(self, request: Request) -> None:
         """Drop all the request's blocks, tail first, and reset its KV progress."""
-        if request.block_ids:
-            self.pool.free(request.block_ids[::-1])
-        request.block_ids = []
+        for g in range(len(request.block_tables)):
+            held = request.held_blocks(g)
+            if held:
+                self.pool.free(held[::-1])
+        request.block_tables = [[] for _ in request.block_tables]
+        request.released_blocks = [0] * len(request.block_tables)
         request.pending_block_copies = []  # the copied-into block was freed with the rest
         request.num_computed_tokens = 0
         request.num_inserted_blocks = 0
 
     def fork(self, parent: Request, child: Request) -> None:
         """Share all of ``parent``'s blocks with ``child`` (which must hold none)."""
-        if child.block_ids:
+        if any(child.block_tables):
             raise ValueError(f"fork target {child.request_id!r} already holds blocks")
-        self.pool.incref(parent.block_ids)
-        child.block_ids = list(parent.block_ids)
+        for g in range(len(parent.block_tables)):
+            self.pool.incref(parent.held_blocks(g))
+        child.block_tables = [list(table) for table in parent.block_tables]
+        child.released_blocks = list(parent.released_blocks)
         child.num_computed_tokens = parent.num_computed_tokens
         child.num_cached_tokens = parent.num_cached_tokens
         child.num_inserted_blocks = parent.num_inserted_blocks

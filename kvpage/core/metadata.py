@@ -23,6 +23,7 @@ is being computed; each chunk contributes the rows of its own positions.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -59,6 +60,10 @@ class StepMetadata:
         block_size: tokens per block.
         num_decodes: the first ``num_decodes`` sequences have query length 1.
         request_ids: [B] request id of each sequence.
+        group_block_tables, group_slot_mappings: with several KV groups (a hybrid model),
+            the block tables and slot mappings of groups 1.. (group 0's are
+            ``block_tables`` and ``slot_mapping``). In a sliding-window group, the entries
+            of blocks behind the window are padding (0) as well; kernels never read them.
     """
 
     input_ids: np.ndarray
@@ -76,6 +81,20 @@ class StepMetadata:
     request_ids: list = field(default_factory=list)
     prompt_logits_seq_indices: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     prompt_logits_token_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    group_block_tables: tuple = ()
+    group_slot_mappings: tuple = ()
+
+    @property
+    def num_groups(self) -> int:
+        return 1 + len(self.group_block_tables)
+
+    def for_group(self, group: int) -> "StepMetadata":
+        """This step as KV group ``group``'s layers see it: its block tables and slot mapping."""
+        if group == 0:
+            return self
+        return dataclasses.replace(self, block_tables=self.group_block_tables[group - 1],
+                                   slot_mapping=self.group_slot_mappings[group - 1],
+                                   group_block_tables=(), group_slot_mappings=())
 
     @property
     def num_sampled_rows(self) -> int:
@@ -135,8 +154,10 @@ def build_step_metadata(
     num_new_tokens: Sequence[int],
     block_size: int,
     block_copies: Sequence[tuple[int, int]] = (),
+    num_groups: int = 1,
 ) -> StepMetadata:
-    """Flatten the scheduled ``requests`` (each feeding ``num_new_tokens[i]`` tokens).
+    """Flatten the scheduled ``requests`` (each feeding ``num_new_tokens[i]`` tokens), with
+    the block tables of ``num_groups`` KV groups.
 
     ``requests[i].num_computed_tokens`` must still be the value *before* this step, and
     its block table must already cover ``num_computed_tokens + num_new_tokens[i]`` slots.
@@ -158,10 +179,14 @@ def build_step_metadata(
             ids += r.all_token_ids[c : c + n]
     input_ids = np.array(ids, dtype=np.int64).reshape(num_tokens)
 
-    block_tables = _padded_block_tables(requests)
     seq_of_token = np.repeat(np.arange(num_seqs), query_lens)
     positions = np.arange(num_tokens, dtype=np.int64) - query_start_loc[seq_of_token] + computed[seq_of_token]
-    slot_mapping = block_tables[seq_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    block_of_token, offset_of_token = positions // block_size, positions % block_size
+    tables, slots = [], []
+    for group in range(num_groups):
+        table = _padded_block_tables(requests, group)
+        tables.append(table)
+        slots.append(table[seq_of_token, block_of_token].astype(np.int64) * block_size + offset_of_token)
 
     total = np.fromiter((r.num_tokens for r in requests), dtype=np.int64, count=num_seqs)
     samples = np.flatnonzero(seq_lens == total)
@@ -170,11 +195,11 @@ def build_step_metadata(
     return StepMetadata(
         input_ids=input_ids,
         positions=positions,
-        slot_mapping=slot_mapping,
+        slot_mapping=slots[0],
         query_start_loc=query_start_loc.astype(np.int32),
         seq_lens=seq_lens.astype(np.int32),
         num_computed_tokens=computed.astype(np.int32),
-        block_tables=block_tables,
+        block_tables=tables[0],
         logits_indices=np.concatenate([query_start_loc[samples + 1] - 1, prompt_rows]),
         sample_seq_indices=samples,
         block_copies=copies,
@@ -183,17 +208,21 @@ def build_step_metadata(
         request_ids=[r.request_id for r in requests],
         prompt_logits_seq_indices=prompt_seqs,
         prompt_logits_token_ids=prompt_targets,
+        group_block_tables=tuple(tables[1:]),
+        group_slot_mappings=tuple(slots[1:]),
     )
 
 
-def _padded_block_tables(requests: Sequence[Request]) -> np.ndarray:
-    """int32 [B, max_blocks] block ids, zero-padded: per-block work only (never per token)."""
+def _padded_block_tables(requests: Sequence[Request], group: int = 0) -> np.ndarray:
+    """int32 [B, max_blocks] block ids of KV group ``group``, zero-padded: per-block work only
+    (never per token)."""
     num_seqs = len(requests)
-    blocks_per_seq = np.fromiter((len(r.block_ids) for r in requests), dtype=np.int64, count=num_seqs)
+    blocks_per_seq = np.fromiter((len(r.block_tables[group]) for r in requests), dtype=np.int64, count=num_seqs)
     max_blocks = int(blocks_per_seq.max()) if num_seqs else 0
     block_tables = np.zeros((num_seqs, max_blocks), dtype=np.int32)
     flat_blocks = np.fromiter(
-        itertools.chain.from_iterable(r.block_ids for r in requests), dtype=np.int32, count=int(blocks_per_seq.sum())
+        itertools.chain.from_iterable(r.block_tables[group] for r in requests), dtype=np.int32,
+        count=int(blocks_per_seq.sum())
     )
     block_tables[np.arange(max_blocks) < blocks_per_seq[:, None]] = flat_blocks
     return block_tables

@@ -14,6 +14,16 @@ Contract with users of ``match_prefix``:
 Eviction is LRU over idle leaves: a min-heap of (last access, node) with lazy
 invalidation, so one eviction costs O(log n) rather than a rescan of all leaves.
 
+With several KV groups (a hybrid model: ``kv_groups``) the tree is keyed on group 0 (full
+attention): a node exists while its group-0 block is cached, and it also records the
+blocks of the other groups for the same tokens (``group_blocks``). Those of another full
+group live and die with the node. Those of a sliding group are evicted on their own (their
+holders released them once they fell behind the window), which leaves holes. A hit of
+``k`` blocks therefore needs (vLLM's rule): every full group holds blocks ``[0, k)`` (the
+path does, by construction), and every sliding group of window ``W`` holds the blocks its
+next query reads, ``[first_needed_block(k * bs), k)``; the longest path prefix meeting both
+is the hit, found right to left. The blocks a sliding group's hit leaves out are padding.
+
 The tree holds the pool tier only. Each node knows its block hash (``block_hash``, computed
 on first use from its parent's), the key under which the lower tiers keep its KV once it is
 evicted: with an offload manager, ``evict`` hands every victim to it
@@ -30,6 +40,7 @@ from typing import TYPE_CHECKING, Hashable, Optional, Sequence
 from .block_hash import BlockHash, chain_hashes, external_hash, namespace_root
 from .block_pool import BlockPool
 from .kv_events import MEDIUM_POOL, KVEventLog
+from .kv_groups import KVGroup
 
 if TYPE_CHECKING:
     from .kv_offload import KVOffloadManager
@@ -38,16 +49,19 @@ BlockKey = tuple  # the block_size token ids of one full block
 
 
 class _Node:
-    __slots__ = ("key", "block_id", "parent", "children", "last_access", "block_hash")
+    __slots__ = ("key", "block_id", "parent", "children", "last_access", "block_hash", "group_blocks")
 
     def __init__(self, key: Optional[BlockKey], block_id: Optional[int], parent: Optional["_Node"],
-                 block_hash: Optional[BlockHash] = None) -> None:
+                 block_hash: Optional[BlockHash] = None, group_blocks: Optional[list] = None) -> None:
         self.key = key
-        self.block_id = block_id
+        self.block_id = block_id  # group 0's block
         self.parent = parent
         self.children: dict[BlockKey, _Node] = {}
         self.last_access = 0
         self.block_hash = block_hash  # a root's is its namespace's; a block's is filled in lazily
+        # Groups 1.. (hybrid models only): each group's block for these tokens, or None once
+        # a sliding group's block was evicted.
+        self.group_blocks = group_blocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +83,8 @@ class PrefixMatch:
     load_hashes: tuple = ()
     fetch_hashes: tuple = ()
     pending_hashes: tuple = ()
+    # Groups 1.. (hybrid models): (first block index, block ids from there to the hit's end).
+    group_blocks: tuple = ()
 
     @property
     def waits_for_disk(self) -> bool:
@@ -79,15 +95,20 @@ class RadixCache:
     """Block-granular prefix cache over a ``BlockPool`` (it becomes the pool's evictor)."""
 
     def __init__(self, pool: BlockPool, offload: Optional["KVOffloadManager"] = None,
-                 events: Optional[KVEventLog] = None) -> None:
+                 events: Optional[KVEventLog] = None, windows: Sequence[Optional[int]] = (None,)) -> None:
+        """``windows``: each KV group's sliding window (``None``: full); group 0 must be full."""
         self.pool = pool
         self.offload = offload
         self.events = events or KVEventLog()
         self.block_size = pool.block_size
+        self.groups = tuple(KVGroup((), w) for w in windows)
+        if not self.groups or self.groups[0].is_sliding:
+            raise ValueError(f"group 0 must be full attention, got windows {tuple(windows)}")
         self._roots: dict[Hashable, _Node] = {}
         self._node_of_block: dict[int, _Node] = {}
+        self._group_of_block: dict[int, tuple] = {}  # a cached block of group g >= 1 -> (node, g)
         self._clock = itertools.count(1)
-        self._heap: list[tuple[int, int, _Node]] = []
+        self._heap: list[tuple[int, int, _Node, int]] = []  # (last access, tiebreak, node, group)
         self._tiebreak = itertools.count()
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
@@ -97,7 +118,8 @@ class RadixCache:
     # ------------------------------------------------------------------ queries
     @property
     def num_cached_blocks(self) -> int:
-        return len(self._node_of_block)
+        """Cached pool blocks, of every group."""
+        return len(self._node_of_block) + len(self._group_of_block)
 
     @property
     def hit_rate(self) -> float:
@@ -147,20 +169,49 @@ class RadixCache:
         if max_blocks is not None:
             limit = min(limit, max_blocks)
         node = self._roots.get(namespace)
-        blocks: list[int] = []
-        now = next(self._clock)
+        path: list[_Node] = []
         if node is not None:
             for key in self._block_keys(tokens, limit):
                 child = node.children.get(key)
                 if child is None:
                     break
-                child.last_access = now
-                blocks.append(child.block_id)
+                path.append(child)
                 node = child
-        match = PrefixMatch(tuple(blocks), len(blocks) * self.block_size)
+        hit = self._sliding_hit(path) if len(self.groups) > 1 else len(path)
+        now = next(self._clock)
+        for child in path[:hit]:
+            child.last_access = now
+        match = PrefixMatch(tuple(n.block_id for n in path[:hit]), hit * self.block_size,
+                            group_blocks=self._group_hit(path, hit))
         if record:
             self.record_query(len(tokens), match.num_tokens)
         return match
+
+    def _sliding_hit(self, path: Sequence[_Node]) -> int:
+        """The longest prefix of ``path`` (blocks) whose sliding groups hold the window before
+        its end; right to left, as the cache's contract states."""
+        sliding = [(g, group) for g, group in enumerate(self.groups) if group.is_sliding]
+        # runs[g][i]: consecutive blocks of group g present up to and including path[i].
+        runs = {}
+        for g, _ in sliding:
+            run, count = [], 0
+            for node in path:
+                count = count + 1 if node.group_blocks[g - 1] is not None else 0
+                run.append(count)
+            runs[g] = run
+        for k in range(len(path), 0, -1):
+            if all(runs[g][k - 1] >= k - group.first_needed_block(k * self.block_size, self.block_size)
+                   for g, group in sliding):
+                return k
+        return 0
+
+    def _group_hit(self, path: Sequence[_Node], hit: int) -> tuple:
+        """``PrefixMatch.group_blocks`` of a hit of ``hit`` blocks along ``path``."""
+        out = []
+        for g in range(1, len(self.groups)):
+            first = self.groups[g].first_needed_block(hit * self.block_size, self.block_size)
+            out.append((first, tuple(n.group_blocks[g - 1] for n in path[first:hit])))
+        return tuple(out)
 
     def record_query(self, num_queried_tokens: int, num_hit_tokens: int) -> None:
         self.num_queried_tokens += num_queried_tokens
@@ -168,7 +219,8 @@ class RadixCache:
 
     # ------------------------------------------------------------------ insertion
     def insert(
-        self, tokens: Sequence[int], block_ids: Sequence[int], namespace: Hashable = None, start_block: int = 0
+        self, tokens: Sequence[int], block_ids: Sequence[int], namespace: Hashable = None, start_block: int = 0,
+        group_tables: Sequence[Sequence[int]] = (),
     ) -> int:
         """Cache the full blocks ``block_ids`` holding ``tokens[: len(block_ids) * block_size]``.
 
@@ -176,6 +228,9 @@ class RadixCache:
         different block for the same tokens (two requests computed the same prefix at once),
         the existing block is kept and insertion stops there: the caller's duplicate and
         every block after it stay uncached. Returns the number of blocks newly cached.
+
+        ``group_tables`` (hybrid models) are the holder's block tables of groups 1..; their
+        entries at the new nodes' positions are cached with them.
 
         ``start_block`` resumes an earlier insert of the same sequence by the same holder:
         ``block_ids[:start_block]`` were offered already, so the walk starts under
@@ -212,6 +267,8 @@ class RadixCache:
                     # Already cached under another prefix: one block cannot have two identities.
                     break
                 child = _Node(key, block_id, node)
+                if group_tables and not self._attach_group_blocks(child, group_tables, index):
+                    break
                 node.children[key] = child
                 self._node_of_block[block_id] = child
                 self.pool.mark_cached(block_id)
@@ -221,6 +278,18 @@ class RadixCache:
         if added and self.events.enabled:
             self._log_stored(node, added)  # new nodes have no children: they end the walk
         return added
+
+    def _attach_group_blocks(self, node: _Node, group_tables: Sequence[Sequence[int]], index: int) -> bool:
+        """Cache the holder's group blocks at ``index`` with the new ``node``; False (nothing
+        cached) if one is cached under another prefix already."""
+        blocks = [table[index] for table in group_tables]
+        if any(b in self._group_of_block or b in self._node_of_block for b in blocks):
+            return False
+        node.group_blocks = blocks
+        for g, b in enumerate(blocks, start=1):
+            self._group_of_block[b] = (node, g)
+            self.pool.mark_cached(b)
+        return True
 
     def _log_stored(self, last: _Node, count: int) -> None:
         """One ``BlockStored`` event for the ``count`` new nodes ending at ``last``."""
@@ -263,18 +332,25 @@ class RadixCache:
 
     # ------------------------------------------------------------------ eviction
     def on_block_idle(self, block_id: int) -> None:
-        node = self._node_of_block[block_id]
-        if not node.children:
-            self._push(node)
+        node = self._node_of_block.get(block_id)
+        if node is not None:
+            if not node.children:
+                self._push(node)
+            return
+        node, g = self._group_of_block[block_id]
+        if self.groups[g].is_sliding:
+            self._push(node, g)  # another full group's block goes with its node
 
-    def _push(self, node: _Node) -> None:
-        heapq.heappush(self._heap, (node.last_access, next(self._tiebreak), node))
+    def _push(self, node: _Node, group: int = 0) -> None:
+        """Queue ``node`` for eviction (``group`` 0: the whole node; else one sliding block)."""
+        heapq.heappush(self._heap, (node.last_access, next(self._tiebreak), node, group))
         # Stale entries are dropped only when popped, and without memory pressure nothing
         # pops: rebuild once they dominate, so the heap stays O(cached blocks), amortized O(1).
-        if len(self._heap) > 2 * len(self._node_of_block) + 64:
-            self._heap = [
-                (n.last_access, next(self._tiebreak), n) for n in self._node_of_block.values() if self._is_idle_leaf(n)
-            ]
+        if len(self._heap) > 2 * self.num_cached_blocks + 64:
+            self._heap = [(n.last_access, next(self._tiebreak), n, 0)
+                          for n in self._node_of_block.values() if self._is_idle_leaf(n)]
+            self._heap += [(n.last_access, next(self._tiebreak), n, g)
+                           for b, (n, g) in self._group_of_block.items() if self._is_idle_sliding(b, n, g)]
             heapq.heapify(self._heap)
 
     def _is_idle_leaf(self, node: _Node) -> bool:
@@ -284,15 +360,33 @@ class RadixCache:
             and self.pool.ref_count(node.block_id) == 0
         )
 
+    def _is_idle_sliding(self, block_id: Optional[int], node: _Node, group: int) -> bool:
+        return (block_id is not None and self.groups[group].is_sliding
+                and self._group_of_block.get(block_id) == (node, group) and self.pool.ref_count(block_id) == 0)
+
     def evict(self, num_blocks: int) -> int:
-        """Evict up to ``num_blocks`` least recently used idle leaves; return how many.
+        """Evict least recently used idle leaves (and idle sliding-group blocks anywhere)
+        until ``num_blocks`` blocks are released; return how many were (a leaf releases its
+        other groups' blocks with it, so it may be more).
 
         Each victim goes to the offload manager (if any) while its KV is still intact.
         """
         evicted = 0
         gone: list[BlockHash] = []
         while evicted < num_blocks and self._heap:
-            stamp, _, node = heapq.heappop(self._heap)
+            stamp, _, node, group = heapq.heappop(self._heap)
+            if group:
+                block_id = node.group_blocks[group - 1]
+                if not self._is_idle_sliding(block_id, node, group):
+                    continue  # stale: evicted already, its node went, or locked again
+                if stamp != node.last_access:
+                    self._push(node, group)
+                    continue
+                node.group_blocks[group - 1] = None
+                del self._group_of_block[block_id]
+                self.pool.release_cached(block_id)
+                evicted += 1
+                continue
             if not self._is_idle_leaf(node):
                 continue  # stale: evicted already, gained children, or locked again
             if stamp != node.last_access:
@@ -303,8 +397,7 @@ class RadixCache:
                 gone.append(block_hash)
                 if self.offload is not None:
                     self.offload.on_pool_evict(block_hash, node.block_id, node.key, self._parent_hash(node))
-            self._remove(node)
-            evicted += 1
+            evicted += self._remove(node)
             parent = node.parent
             if parent.block_id is not None and self._is_idle_leaf(parent):
                 self._push(parent)
@@ -313,10 +406,11 @@ class RadixCache:
         return evicted
 
     def discard(self, block_ids: Sequence[int]) -> int:
-        """Forget cached blocks whose KV turned out invalid (a failed step); return how many.
+        """Forget cached blocks whose KV turned out invalid (a failed step); return how many
+        nodes went (each with its other groups' blocks).
 
-        Only idle leaves can go: pass a sequence's blocks tail first. Blocks that are not
-        cached, still held, or still have children are skipped.
+        Only idle leaves can go: pass a sequence's group-0 blocks tail first. Blocks that are
+        not cached, still held, or still have children are skipped.
         """
         removed = 0
         for block_id in block_ids:
@@ -331,29 +425,58 @@ class RadixCache:
                     self._push(parent)
         return removed
 
-    def _remove(self, node: _Node) -> None:
+    def _remove(self, node: _Node) -> int:
+        """Take an idle leaf out of the tree; returns the blocks released (all groups)."""
         del node.parent.children[node.key]
         del self._node_of_block[node.block_id]
         self.pool.release_cached(node.block_id)
+        released = 1
+        for b in node.group_blocks or ():
+            if b is not None:
+                # Its holders hold the node's group-0 block too, so it is idle as well.
+                del self._group_of_block[b]
+                self.pool.release_cached(b)
+                released += 1
+        return released
 
     def reset(self) -> None:
         """Evict every idle cached block. Raises ``ValueError`` if any cached block is in use."""
-        if any(self.pool.ref_count(b) for b in self._node_of_block):
+        if any(self.pool.ref_count(b) for b in itertools.chain(self._node_of_block, self._group_of_block)):
             raise ValueError("cannot reset the prefix cache while cached blocks are in use")
         if self.events.enabled:
             self.events.removed(self.cached_hashes(), MEDIUM_POOL)
-        for block_id in list(self._node_of_block):
+        for block_id in itertools.chain(self._node_of_block, self._group_of_block):
             self.pool.release_cached(block_id)
         self._node_of_block.clear()
+        self._group_of_block.clear()
         self._roots.clear()
         self._heap.clear()
 
     # ------------------------------------------------------------------ checks
+    def _check_group_blocks(self, node: _Node, queued: set) -> int:
+        """Check one node's blocks of groups 1..; returns how many it holds."""
+        if len(self.groups) == 1:
+            assert node.group_blocks is None
+            return 0
+        assert node.group_blocks is not None and len(node.group_blocks) == len(self.groups) - 1
+        count = 0
+        for g, b in enumerate(node.group_blocks, start=1):
+            if b is None:
+                assert self.groups[g].is_sliding, f"full group {g} lost its block under a live node"
+                continue
+            count += 1
+            assert self._group_of_block.get(b) == (node, g) and self.pool.is_cached(b)
+            if self.pool.ref_count(b) > 0:
+                assert self.pool.ref_count(node.block_id) > 0, f"group {g} block {b} is held, its node's is not"
+            elif self.groups[g].is_sliding:
+                assert (id(node), g) in queued, f"idle sliding block {b} is not evictable"
+        return count
+
     def check_integrity(self) -> None:
         """Assert tree, pool and heap agree; raises AssertionError."""
         seen = 0
         stack = list(self._roots.values())
-        queued = {id(entry[2]) for entry in self._heap}
+        queued = {(id(entry[2]), entry[3]) for entry in self._heap}
         while stack:
             node = stack.pop()
             for key, child in node.children.items():
@@ -366,8 +489,8 @@ class RadixCache:
                     # (which would make it counted as free yet unevictable).
                     assert self.pool.ref_count(node.block_id) > 0, f"idle block {node.block_id} has an in-use child"
                 if not child.children and self.pool.ref_count(child.block_id) == 0:
-                    assert id(child) in queued, f"idle leaf block {child.block_id} is not evictable"
-                seen += 1
+                    assert (id(child), 0) in queued, f"idle leaf block {child.block_id} is not evictable"
+                seen += 1 + self._check_group_blocks(child, queued)
                 stack.append(child)
-        assert seen == len(self._node_of_block) == self.pool.num_cached_blocks
+        assert seen == self.num_cached_blocks == self.pool.num_cached_blocks
         self.pool.check_integrity()

@@ -47,7 +47,7 @@ class Request:
 
     __slots__ = (
         "request_id", "sampling_params", "eos_token_id", "namespace", "arrival_time",
-        "arrival_order", "all_token_ids", "num_prompt_tokens", "status", "block_ids",
+        "arrival_order", "all_token_ids", "num_prompt_tokens", "status", "block_tables", "released_blocks",
         "num_computed_tokens", "num_cached_tokens", "num_inserted_blocks", "num_preemptions",
         "finish_reason", "error", "first_token_time", "finish_time", "last_token_time",
         "prefix_queried", "group_id", "sample_index", "pending_block_copies", "block_hashes",
@@ -78,7 +78,11 @@ class Request:
         self.all_token_ids: list[int] = [int(t) for t in prompt_token_ids]
         self.num_prompt_tokens = len(self.all_token_ids)
         self.status = RequestStatus.WAITING
-        self.block_ids: list[int] = []
+        # One block table per KV group (``kv_groups``); group 0's is ``block_ids``. In a
+        # sliding-window group the first ``released_blocks[g]`` entries left the window and
+        # went back to the pool: they are padding (0), never read, never freed again.
+        self.block_tables: list[list[int]] = [[]]
+        self.released_blocks: list[int] = [0]
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
         self.num_inserted_blocks = 0  # leading full blocks already offered to the prefix cache
@@ -94,6 +98,19 @@ class Request:
         self.pending_block_copies: list[tuple[int, int]] = []
         self.block_hashes: list[BlockHash] = []  # of the leading full blocks, filled on demand
         self.kv_fetch_waited = False  # it waited once for blocks read from the disk tier
+
+    @property
+    def block_ids(self) -> list[int]:
+        """Group 0's block table (the only one of a non-hybrid engine)."""
+        return self.block_tables[0]
+
+    @block_ids.setter
+    def block_ids(self, blocks: list[int]) -> None:
+        self.block_tables[0] = blocks
+
+    def held_blocks(self, group: int) -> list[int]:
+        """The blocks this request holds in ``group`` (its table without released padding)."""
+        return self.block_tables[group][self.released_blocks[group]:]
 
     # Derived sizes, so callers never repeat the index arithmetic.
     @property

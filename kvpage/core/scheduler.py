@@ -34,7 +34,7 @@ from .block_hash import BlockHash
 from .block_pool import BlockPool
 from .config import CacheConfig, SchedulerConfig
 from .fetch_waits import FetchWaits
-from .kv_cache_manager import KVCacheManager, cdiv
+from .kv_cache_manager import KVCacheManager
 from .kv_events import KVCacheEvent, KVEventLog
 from .kv_offload import KVOffloadManager
 from .kv_transfers import KVTransfers
@@ -119,15 +119,16 @@ class Scheduler:
         self.cache_config = cache_config
         self.config = scheduler_config
         self.block_size = cache_config.block_size
-        self.pool = BlockPool(cache_config.num_blocks, cache_config.block_size)
+        self.pool = BlockPool(cache_config.num_blocks, cache_config.block_size, len(cache_config.group_windows))
         self.kv_events = KVEventLog(cache_config.enable_kv_events)
         self.offload = None
         if cache_config.num_host_blocks:
             self.offload = KVOffloadManager(self.block_size, cache_config.num_host_blocks,
                                             cache_config.num_disk_blocks, self.kv_events)
-        self.prefix_cache = (RadixCache(self.pool, self.offload, self.kv_events)
+        windows = cache_config.group_windows
+        self.prefix_cache = (RadixCache(self.pool, self.offload, self.kv_events, windows)
                              if cache_config.enable_prefix_caching else None)
-        self.kv = KVCacheManager(self.pool, self.prefix_cache, self.offload)
+        self.kv = KVCacheManager(self.pool, self.prefix_cache, self.offload, windows)
         self.waiting = WaitingQueue(scheduler_config.policy)
         self.fetch_waits = FetchWaits()
         # The lower tiers' side of scheduling (parking, completions, disk saves); None without tiers.
@@ -164,7 +165,7 @@ class Scheduler:
             )
         # The last token is sampled but never fed back, so its KV is never stored.
         worst_case = min(request.num_tokens + request.sampling_params.max_tokens, max_len) - 1
-        blocks = cdiv(worst_case, self.block_size)
+        blocks = self.kv.blocks_held(worst_case, min(worst_case, self.config.max_num_batched_tokens))
         if blocks > self.pool.num_blocks:
             raise ValueError(
                 f"request {request.request_id!r}: up to {worst_case} KV tokens need {blocks} blocks, "
@@ -269,7 +270,7 @@ class Scheduler:
         requests = [r for r, _ in plan.scheduled]
         counts = [n for _, n in plan.scheduled]
         copies = self.kv.take_pending_copies(requests)
-        metadata = build_step_metadata(requests, counts, self.block_size, copies)
+        metadata = build_step_metadata(requests, counts, self.block_size, copies, self.kv.num_groups)
         self.num_steps += 1
         transfers = self.offload.take_step_transfers() if self.offload is not None else None
         return SchedulerOutput(requests, counts, metadata, plan.preempted, plan.newly_cached[::-1],
@@ -335,10 +336,13 @@ class Scheduler:
         tokens = sampled.tolist()
         now = time.monotonic()
         finished: list[Request] = []
+        sliding = bool(self.kv.sliding_groups)
         for i, (request, num_new) in enumerate(zip(output.requests, output.num_new_tokens)):
             if request.status is not RequestStatus.RUNNING:
                 continue
             request.num_computed_tokens += num_new
+            if sliding:
+                self.kv.release_out_of_window(request)
             row = row_of_seq.get(i)
             if row is None:
                 continue  # a prefill chunk that produced no token
@@ -452,6 +456,7 @@ class Scheduler:
             "num_cached_blocks": self.pool.num_cached_blocks,
             "kv_cache_usage": self.pool.usage,
             "kv_fragmentation": self.pool.fragmentation,
+            "kv_groups": self.kv.group_stats(),
             "prefix_cache_queries": cache.num_queried_tokens if cache else 0,
             "prefix_cache_hits": cache.num_hit_tokens if cache else 0,
             "num_preemptions": self.num_preemptions,
@@ -478,8 +483,14 @@ class Scheduler:
         for request in self.requests.values():
             if request.status is RequestStatus.WAITING:
                 assert not request.block_ids, f"waiting {request!r} holds blocks"
-            for b in request.block_ids:
-                holders[b] += 1
+            tables = request.block_tables
+            assert request.status is RequestStatus.WAITING or len(tables) == self.kv.num_groups
+            for g in range(len(tables)):
+                assert len(tables[g]) == len(tables[0]), f"{request!r}: group tables of different lengths"
+                assert request.released_blocks[g] <= self.kv.groups[g].first_needed_block(
+                    request.num_computed_tokens, self.block_size), f"{request!r} released a block in its window"
+                for b in request.held_blocks(g):
+                    holders[b] += 1
             assert len(request.block_ids) * self.block_size >= request.num_computed_tokens
         for b in range(self.pool.num_blocks):
             assert holders[b] == self.pool.ref_count(b), f"block {b}: {holders[b]} holders, ref {self.pool.ref_count(b)}"

@@ -45,7 +45,21 @@ class _StatsCollector:
             yield GaugeMetricFamily(name, doc, value=float(stats.get(key, 0)))
         for name, (key, doc) in COUNTERS.items():
             yield CounterMetricFamily(name, doc, value=float(stats.get(key, 0)))
+        yield from _group_families(stats.get("kv_groups") or [])
         yield from tier_families(stats)
+
+
+def _group_families(groups: list) -> list:
+    """Usage and fragmentation per KV group (labels: group index, and its attention window)."""
+    usage = GaugeMetricFamily("kvpage:kv_group_usage_perc", "Fraction of all KV blocks held by the group's requests "
+                              "(0-1).", labels=["group", "window"])
+    fragmentation = GaugeMetricFamily("kvpage:kv_group_fragmentation_perc", "Fraction of token slots in the group's "
+                                      "referenced blocks that hold no token (0-1).", labels=["group", "window"])
+    for index, group in enumerate(groups):
+        labels = [str(index), "full" if group["sliding_window"] is None else str(group["sliding_window"])]
+        usage.add_metric(labels, float(group["usage"]))
+        fragmentation.add_metric(labels, float(group["fragmentation"]))
+    return [usage, fragmentation]
 
 
 class ServerMetrics:

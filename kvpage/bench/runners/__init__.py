@@ -13,6 +13,7 @@ CONFIGS = {
     "D": (paged.LABELS["D"], partial(paged.run, config="D")),
     "E": (paged.LABELS["E"], partial(paged.run, config="E")),
     "F": (paged.LABELS["F"], partial(paged.run, config="F")),
+    "G": (paged.LABELS["G"], partial(paged.run, config="G")),
 }
 
 __all__ = ["CONFIGS", "Clock", "RunContext"]

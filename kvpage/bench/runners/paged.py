@@ -1,11 +1,13 @@
-"""Configurations C, D, E, F: kvpage paged attention with continuous batching.
+"""Configurations C, D, E, F, G: kvpage paged attention with continuous batching.
 
 C: chunked prefill off (a prompt runs whole in one step, so the step budget must hold the
 longest prompt); D: C + chunked prefill (``token_budget`` tokens per step, decodes
 first); E: D + prefix caching; F: E + the tiered prefix cache, a host tier of
 ``F_HOST_SHARE`` times the pool's bytes and a disk tier (a fresh temporary folder, so
-nothing carries over between runs) of ``F_DISK_SHARE`` times. All get ``kv_budget_bytes``
-as ``num_kv_blocks`` blocks.
+nothing carries over between runs) of ``F_DISK_SHARE`` times; G: E without hybrid KV groups
+(every layer keeps the whole context, as on a model without sliding windows). All get
+``kv_budget_bytes`` as their KV budget (as many blocks as fit, which with hybrid groups are
+smaller blocks).
 
 KV waste per step = the pool's fragmentation when the step is scheduled: the fraction of
 token slots in blocks referenced by live requests that hold no token (the partly filled
@@ -28,31 +30,32 @@ if TYPE_CHECKING:
     from kvpage.core.config import EngineConfig
 
 LABELS = {"C": "kvpage paged, no chunked prefill", "D": "kvpage paged + chunked prefill",
-          "E": "kvpage paged + chunked + prefix cache", "F": "E + host and disk KV tiers"}
+          "E": "kvpage paged + chunked + prefix cache", "F": "E + host and disk KV tiers",
+          "G": "E without hybrid KV groups"}
 F_HOST_SHARE = 8
 F_DISK_SHARE = 16
 _MAX_IDLE_STEPS = 10_000
 
 
 def engine_config(ctx: RunContext, config: str, disk_dir: Optional[str] = None) -> "EngineConfig":
-    """The engine settings of configuration ``config`` (C, D, E, or F with its disk folder)."""
+    """The engine settings of configuration ``config`` (C, D, E, G, or F with its disk folder)."""
     from kvpage.core.config import EngineConfig
 
-    chunked = config in ("D", "E", "F")
+    chunked = config in ("D", "E", "F", "G")
     budget = ctx.token_budget if chunked else max(ctx.unchunked_token_budget, ctx.max_len)
     tiers = {}
     if config == "F":
         pool_gib = ctx.num_kv_blocks * ctx.block_size * ctx.loaded.kv_bytes_per_token / 2**30
         tiers = dict(kv_offloading_size=F_HOST_SHARE * pool_gib, kv_disk_cache=disk_dir,
                      kv_disk_cache_size=F_DISK_SHARE * pool_gib)
-    return EngineConfig(num_kv_blocks=ctx.num_kv_blocks, block_size=ctx.block_size, max_num_seqs=ctx.max_num_seqs,
-                        max_num_batched_tokens=budget, enable_chunked_prefill=chunked,
-                        enable_prefix_caching=config in ("E", "F"), max_model_len=ctx.max_len, seed=ctx.seed,
-                        onednn_linears=True, **tiers)
+    return EngineConfig(kv_cache_memory=ctx.kv_budget_bytes, block_size=ctx.block_size,
+                        max_num_seqs=ctx.max_num_seqs, max_num_batched_tokens=budget, enable_chunked_prefill=chunked,
+                        enable_prefix_caching=config in ("E", "F", "G"), max_model_len=ctx.max_len, seed=ctx.seed,
+                        onednn_linears=True, disable_hybrid_kv_cache_manager=config == "G", **tiers)
 
 
 def build_llm(ctx: RunContext, config: str, disk_dir: Optional[str] = None):
-    """An ``LLM`` over ``ctx.model`` for configuration ``config`` (C, D, E or F)."""
+    """An ``LLM`` over ``ctx.model`` for configuration ``config`` (C, D, E, F or G)."""
     from kvpage.llm import LLM
 
     return LLM(ctx.model, config=engine_config(ctx, config, disk_dir))

@@ -1,0 +1,54 @@
+"""A model's per-layer KV spec read from its Hugging Face config alone (no weights, no forward).
+
+For planning (``kvpage plan``): the engine itself probes the loaded model
+(``HFModelRunner``), and a test checks the two agree on the model matrix. Read here:
+layer count, KV heads and head size (MLA's split K/V heads included), and each layer's
+attention kind from ``layer_types`` (``"sliding_attention"`` takes ``sliding_window``).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from kvpage.kv_storage import KVCacheSpec, LayerKVSpec
+
+_SLIDING = "sliding_attention"
+_FULL = "full_attention"
+
+
+def layer_windows(config: Any) -> list:
+    """Each layer's sliding window (``None``: full attention), as the HF modules read them."""
+    num_layers = int(config.num_hidden_layers)
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        if len(layer_types) != num_layers:
+            raise ValueError(f"config has {len(layer_types)} layer_types for {num_layers} layers")
+        unknown = sorted({t for t in layer_types if t not in (_SLIDING, _FULL)})
+        if unknown:
+            raise ValueError(f"kvpage plans full and sliding-window attention only; config has {unknown}")
+        return [int(window) if t == _SLIDING and window else None for t in layer_types]
+    if window and getattr(config, "use_sliding_window", True):
+        return [int(window)] * num_layers
+    return [None] * num_layers
+
+
+def layer_kv(config: Any) -> LayerKVSpec:
+    """The KV layout of one layer: MLA (``kv_lora_rank``) or K and V of one shape."""
+    heads = int(config.num_attention_heads)
+    if getattr(config, "kv_lora_rank", None):
+        k_dim = int(config.qk_nope_head_dim) + int(config.qk_rope_head_dim)
+        return LayerKVSpec(heads, k_dim, heads, int(config.v_head_dim))
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    head_dim = getattr(config, "head_dim", None) or int(config.hidden_size) // heads
+    return LayerKVSpec.symmetric(kv_heads, int(head_dim))
+
+
+def kv_spec_from_config(config: Any, block_size: int, dtype: str) -> KVCacheSpec:
+    """The ``KVCacheSpec`` of ``config`` (a transformers config; its text part is used)."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(config, "num_kv_shared_layers", 0):
+        raise ValueError("models that share KV across layers are planned from a probe only; load the model")
+    layout = layer_kv(config)
+    layers = tuple(LayerKVSpec(layout.k_heads, layout.k_head_dim, layout.v_heads, layout.v_head_dim,
+                               sliding_window=window) for window in layer_windows(config))
+    return KVCacheSpec(layers, block_size, dtype)

@@ -1,0 +1,108 @@
+"""Fewer compute threads while another process keeps some of our CPUs busy.
+
+Every parallel region of torch and numba waits for its slowest thread. When a neighbour
+process takes half of one of our two cores, the thread sharing that core runs at half
+speed and every region takes twice as long, while its partner spins: the engine falls to
+about a third of its idle throughput, below what one thread on the free core gives. The
+governor watches, between steps, how much of the CPUs this process may use is busy with
+*other* work (``/proc/stat`` for those CPUs minus ``/proc/self/stat``), and sets torch and
+numba to the cores left over, rounded, between 1 and the engine's configured count. A new
+count must be seen on two checks in a row before it applies, so a short burst elsewhere
+does not make it flap.
+
+Only when the engine sized its threads itself (no ``num_threads`` given) and
+``KVPAGE_THREAD_GOVERNOR`` is not ``0``; Linux only. Compiled graphs keep the thread
+count they were compiled with, so the governor mainly helps eager mode. Torch-free at import.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Callable, Optional, Sequence
+
+log = logging.getLogger("kvpage")
+
+#: Seconds between two looks at the CPU counters.
+CHECK_INTERVAL_S = 0.5
+_BUSY_FIELDS = (0, 1, 2, 5, 6, 7)  # user nice system irq softirq steal (idle and iowait are not busy)
+
+
+def read_cpu_busy_ticks(cpus: Sequence[int], stat_path: str = "/proc/stat") -> int:
+    """Busy clock ticks summed over ``cpus`` (steal included: the host took them)."""
+    wanted = {f"cpu{c}" for c in cpus}
+    total = 0
+    with open(stat_path) as f:
+        for line in f:
+            name, *fields = line.split()
+            if name in wanted:
+                total += sum(int(fields[i]) for i in _BUSY_FIELDS if i < len(fields))
+    return total
+
+
+def read_own_ticks(stat_path: str = "/proc/self/stat") -> int:
+    """utime + stime of this process (all its threads), in clock ticks."""
+    with open(stat_path) as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # fields 14 and 15 of proc(5), after pid and comm
+
+
+def threads_for(num_cpus: int, others_busy_cores: float, max_threads: int) -> int:
+    """Threads that fit beside ``others_busy_cores`` of other work: the free cores, rounded."""
+    free = num_cpus - max(0.0, others_busy_cores)
+    return max(1, min(max_threads, int(free + 0.5)))
+
+
+class ThreadGovernor:
+    """Call ``tick()`` between steps; it adjusts ``apply(count)`` at most every ``interval_s``."""
+
+    def __init__(self, max_threads: int, apply: Callable[[int], None], cpus: Optional[Sequence[int]] = None,
+                 interval_s: float = CHECK_INTERVAL_S, clock: Callable[[], float] = time.monotonic,
+                 read_busy: Callable[[Sequence[int]], int] = read_cpu_busy_ticks,
+                 read_own: Callable[[], int] = read_own_ticks) -> None:
+        self.max_threads = max_threads
+        self.current = max_threads
+        self._apply = apply
+        self._cpus = list(cpus if cpus is not None else sorted(os.sched_getaffinity(0)))
+        self._interval = interval_s
+        self._clock, self._read_busy, self._read_own = clock, read_busy, read_own
+        self._hz = os.sysconf("SC_CLK_TCK")
+        self._last = None
+        self._pending: Optional[int] = None
+        self.num_changes = 0
+
+    def tick(self) -> int:
+        """Look at the counters if ``interval_s`` has passed; returns the thread count in use."""
+        now = self._clock()
+        if self._last is not None and now - self._last[0] < self._interval:
+            return self.current
+        sample = (now, self._read_busy(self._cpus), self._read_own())
+        previous, self._last = self._last, sample
+        if previous is None:
+            return self.current
+        seconds = sample[0] - previous[0]
+        others = ((sample[1] - previous[1]) - (sample[2] - previous[2])) / (self._hz * seconds)
+        target = threads_for(len(self._cpus), others, self.max_threads)
+        if target == self.current:
+            self._pending = None
+        elif target == self._pending:
+            log.info("compute threads: %d -> %d (%.1f of %d CPUs busy with other work)", self.current, target,
+                     others, len(self._cpus))
+            self._apply(target)
+            self.current, self._pending = target, None
+            self.num_changes += 1
+        else:
+            self._pending = target
+        return self.current
+
+
+def governor_for(requested: Optional[int], count: int, apply: Callable[[int], None]) -> Optional[ThreadGovernor]:
+    """A governor when the engine chose ``count`` itself and the platform allows one, else None."""
+    if requested is not None or os.environ.get("KVPAGE_NUM_THREADS") or count < 2:
+        return None
+    if os.environ.get("KVPAGE_THREAD_GOVERNOR", "1") == "0" or not os.path.exists("/proc/self/stat"):
+        return None
+    try:
+        return ThreadGovernor(count, apply)
+    except (OSError, AttributeError):
+        return None

@@ -1,0 +1,77 @@
+"""The thread governor: fewer threads while other processes keep our CPUs busy, with hysteresis."""
+from __future__ import annotations
+
+import os
+
+from kvpage.thread_governor import ThreadGovernor, governor_for, read_cpu_busy_ticks, read_own_ticks, threads_for
+
+
+def test_threads_for_rounds_the_free_cores():
+    assert threads_for(2, 0.0, 2) == 2
+    assert threads_for(2, 0.3, 2) == 2  # a light neighbour: keep both
+    assert threads_for(2, 1.0, 2) == 1  # one core taken
+    assert threads_for(2, 2.0, 2) == 1  # never below one
+    assert threads_for(8, 2.6, 8) == 5
+    assert threads_for(8, 0.0, 4) == 4  # never above the configured count
+
+
+class _FakeCounters:
+    """Busy ticks of our CPUs and our own ticks, advanced by hand (100 ticks per second)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.busy = 0
+        self.own = 0
+
+    def advance(self, seconds: float, own_cores: float, other_cores: float) -> None:
+        self.now += seconds
+        self.own += int(100 * seconds * own_cores)
+        self.busy += int(100 * seconds * (own_cores + other_cores))
+
+
+def _governor(counters: _FakeCounters, applied: list) -> ThreadGovernor:
+    gov = ThreadGovernor(2, applied.append, cpus=[0, 1], interval_s=0.5, clock=lambda: counters.now,
+                         read_busy=lambda cpus: counters.busy, read_own=lambda: counters.own)
+    gov._hz = 100
+    return gov
+
+
+def test_a_busy_neighbour_halves_the_threads_after_two_checks_and_they_come_back():
+    counters, applied = _FakeCounters(), []
+    gov = _governor(counters, applied)
+    assert gov.tick() == 2  # first sample: nothing to compare yet
+    for _ in range(3):
+        counters.advance(0.6, own_cores=2.0, other_cores=0.0)
+        assert gov.tick() == 2
+    counters.advance(0.6, own_cores=1.0, other_cores=1.0)
+    assert gov.tick() == 2 and not applied  # seen once: not yet
+    counters.advance(0.1, own_cores=1.0, other_cores=1.0)
+    assert gov.tick() == 2  # within the interval: no look at all
+    counters.advance(0.6, own_cores=1.0, other_cores=1.0)
+    assert gov.tick() == 1 and applied == [1]
+    counters.advance(0.6, own_cores=1.0, other_cores=0.0)
+    assert gov.tick() == 1
+    counters.advance(0.6, own_cores=1.0, other_cores=0.0)
+    assert gov.tick() == 2 and applied == [1, 2] and gov.num_changes == 2
+
+
+def test_a_one_check_burst_changes_nothing():
+    counters, applied = _FakeCounters(), []
+    gov = _governor(counters, applied)
+    gov.tick()
+    counters.advance(0.6, own_cores=1.0, other_cores=1.0)
+    gov.tick()
+    counters.advance(0.6, own_cores=2.0, other_cores=0.0)
+    assert gov.tick() == 2 and not applied
+
+
+def test_real_counters_read_and_the_governor_is_only_automatic(monkeypatch):
+    cpus = sorted(os.sched_getaffinity(0))
+    assert read_cpu_busy_ticks(cpus) > 0 and read_own_ticks() > 0
+    monkeypatch.delenv("KVPAGE_NUM_THREADS", raising=False)
+    monkeypatch.delenv("KVPAGE_THREAD_GOVERNOR", raising=False)
+    assert governor_for(None, 2, lambda n: None) is not None
+    assert governor_for(2, 2, lambda n: None) is None  # the user chose the count
+    assert governor_for(None, 1, lambda n: None) is None  # nothing to lower
+    monkeypatch.setenv("KVPAGE_THREAD_GOVERNOR", "0")
+    assert governor_for(None, 2, lambda n: None) is None
