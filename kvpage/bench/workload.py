@@ -236,8 +236,9 @@ def long_context(scale: Scale, vocab: int, seed: int) -> Workload:
     longest = int(lengths.max()) + scale.long_output
     pool = scale.long_pool_seqs * longest
     description = (f"{count} prompts of median {scale.long_prompt_median} tokens (up to {int(lengths.max())}), "
-                   f"{scale.long_output} output tokens each, all at t=0, on {LONG_CONTEXT_MODEL} (5 sliding : 1 full); the pool "
-                   f"holds {scale.long_pool_seqs} requests at full length without hybrid KV groups")
+                   f"{scale.long_output} output tokens each, all at t=0, on {LONG_CONTEXT_MODEL} "
+                   f"(5 sliding : 1 full); the pool holds {scale.long_pool_seqs} requests at full length "
+                   "without hybrid KV groups")
     return Workload("long-context", requests, description, kv_budget_tokens=pool, model=LONG_CONTEXT_MODEL)
 
 
