@@ -108,7 +108,7 @@ class Scale:
     long_requests: int = 16
     long_prompt_median: int = 1536
     long_max_prompt: int = 2560
-    long_output: int = 32
+    long_output: int = 256  # long enough that memory, not the prefill rate, bounds concurrency
     long_pool_seqs: int = 3
 
 
@@ -124,7 +124,7 @@ SCALES = {
                    arrival_rate=100.0, burst_decoders=24, burst_long_prompts=2, burst_long_len=128, burst_gap_s=0.2,
                    system_prompt_len=128, question_median=12, conversations=8, turns=4, context_len=256,
                    user_len=12, reply_len=16, max_active=2, long_requests=8, long_prompt_median=768,
-                   long_max_prompt=1024, long_output=16),
+                   long_max_prompt=1024, long_output=96),
     # Enough requests, arriving fast enough, for paged batching to outgrow static's batch.
     "cpu": Scale(num_requests=64, arrival_rate=40.0, burst_decoders=32, burst_long_prompts=4),
     # Published-benchmark sizes: ShareGPT-like lengths (median prompt ~200, output ~150) and a 1k system prompt.
@@ -132,7 +132,7 @@ SCALES = {
                   max_prompt=1536, max_output=512, arrival_rate=20.0, burst_decoders=128, burst_long_prompts=8,
                   burst_long_len=1536, burst_gap_s=0.5, system_prompt_len=1024, question_median=48,
                   conversations=64, turns=10, context_len=2048, user_len=64, reply_len=128, max_active=16,
-                  long_requests=64, long_prompt_median=6144, long_max_prompt=7936, long_output=128, long_pool_seqs=8),
+                  long_requests=64, long_prompt_median=6144, long_max_prompt=7936, long_output=512, long_pool_seqs=8),
 }
 
 
