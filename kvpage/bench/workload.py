@@ -105,7 +105,7 @@ class Scale:
     user_len: int = 16
     reply_len: int = 32
     max_active: int = 3
-    long_requests: int = 16
+    long_requests: int = 32
     long_prompt_median: int = 1536
     long_max_prompt: int = 2560
     long_output: int = 256  # long enough that memory, not the prefill rate, bounds concurrency
