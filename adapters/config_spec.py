@@ -48,7 +48,12 @@ def kv_spec_from_config(config: Any, block_size: int, dtype: str) -> KVCacheSpec
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     if getattr(config, "num_kv_shared_layers", 0):
         raise ValueError("models that share KV across layers are planned from a probe only; load the model")
-    layout = layer_kv(config)
+    try:
+        layout = layer_kv(config)
+        windows = layer_windows(config)
+    except Exception as exc:  # noqa: BLE001 - per-layer configs raise their own types (RuntimeError, ...)
+        raise ValueError(f"cannot read one KV layout from this config ({type(exc).__name__}: {exc}); "
+                         "per-layer shapes are read from a probe of the loaded model only") from None
     layers = tuple(LayerKVSpec(layout.k_heads, layout.k_head_dim, layout.v_heads, layout.v_head_dim,
-                               sliding_window=window) for window in layer_windows(config))
+                               sliding_window=window) for window in windows)
     return KVCacheSpec(layers, block_size, dtype)

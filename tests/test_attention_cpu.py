@@ -254,3 +254,19 @@ def test_bad_inputs_raise():
         paged_attention_cpu(q, kc, vc, scaling=SCALE)
     with pytest.raises(ValueError, match="slot_mapping"):
         write_kv_cpu(kc, vc, q, q)
+
+
+@pytest.mark.parametrize("numpy_inputs", [False, True], ids=["torch", "numpy"])
+def test_heads_wider_than_the_numba_kernel_decode_elsewhere(numpy_inputs):
+    """Gemma4's global layers have 512-wide heads: past ``NUMBA_DECODE_MAX_HEAD_DIM`` the
+    dispatcher decodes on torch (numpy inputs: the reference) and stays exact."""
+    from kvpage.attention.cpu import NUMBA_DECODE_MAX_HEAD_DIM
+
+    rng = np.random.default_rng(9)
+    case = make_case(rng, *SCENARIOS["mixed"], heads=4, kv_heads=2, head_dim=2 * NUMBA_DECODE_MAX_HEAD_DIM)
+    want = paged_attention_reference(*case, SCALE)
+    if numpy_inputs:
+        got = paged_attention_cpu(*case, SCALE)
+    else:
+        got = run_torch(*case, "float32", None)
+    check(got, want, "float32")

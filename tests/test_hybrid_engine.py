@@ -101,11 +101,26 @@ def test_hybrid_off_matches_hybrid_on():
 
 
 def test_group_metrics_are_reported():
+    from prometheus_client import generate_latest
+
+    from kvpage.server.metrics import ServerMetrics
+
     llm = LLM(tiny_model("gemma2"), block_size=4, num_kv_blocks=64, max_model_len=128)
     try:
         groups = llm.stats()["kv_groups"]
         assert [g["sliding_window"] for g in groups] == [None, WINDOW]
         assert all(g["usage"] == 0.0 and g["fragmentation"] == 0.0 for g in groups)
+        llm.engine.add_request(_prompts(11, (30,))[0], SamplingParams(max_tokens=30, ignore_eos=True))
+        for _ in range(3):
+            llm.engine.step()
+        lines = generate_latest(ServerMetrics(llm.stats).registry).decode().splitlines()
+        full = [line for line in lines if line.startswith('kvpage:kv_group_usage_perc{group="0",window="full"}')]
+        sliding = [line for line in lines
+                   if line.startswith(f'kvpage:kv_group_usage_perc{{group="1",window="{WINDOW}"}}')]
+        assert full and sliding
+        # The full group holds the whole context, the sliding one its window only.
+        assert float(full[0].split()[-1]) > float(sliding[0].split()[-1]) > 0
+        llm.engine.abort_all()
     finally:
         llm.restore()
 

@@ -41,6 +41,10 @@ import numpy as np
 PREFILL_BACKEND = "torch"
 #: Backend for the leading query-length-1 sequences.
 DECODE_BACKEND = "numba"
+#: The numba decode kernel is specialized per head size through tuple-length types, and
+#: numba's parallel loops cannot carry tuples much longer than this: larger heads (Gemma4's
+#: 512-wide global layers) decode on torch.
+NUMBA_DECODE_MAX_HEAD_DIM = 256
 
 
 def decodes_of(query_start_loc, num_decodes: Optional[int]) -> int:
@@ -168,6 +172,8 @@ def paged_attention_cpu(
     prefill_backend = prefill_backend or PREFILL_BACKEND
     if not _numba_available() or kv_layouts_differ(key_cache, value_cache):
         decode_backend = prefill_backend = "torch"
+    if q.shape[-1] > NUMBA_DECODE_MAX_HEAD_DIM:
+        decode_backend = "torch"
     if not _is_torch(q):
         if decode_backend == "torch":  # numba missing or unfit: the numpy oracle is the only numpy path
             from .reference import paged_attention_reference

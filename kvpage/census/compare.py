@@ -94,7 +94,7 @@ def kvpage_greedy(model: torch.nn.Module, prompts: list[list[int]], max_new_toke
     options = dict(MODES[mode])
     # The pool holds at least one request of max_model_len tokens (the engine insists), and no more
     # than that in the stress mode, so that concurrent requests there must be preempted.
-    options["num_kv_blocks"] = max(options["num_kv_blocks"], -(-max_model_len // options["block_size"]))
+    options["num_kv_blocks"] = max(options["num_kv_blocks"], _blocks_for_one_request(model, max_model_len, options))
     llm = LLM(model, dtype="float32", max_model_len=max_model_len, **options)
     try:
         params = SamplingParams(max_tokens=max_new_tokens, temperature=0, ignore_eos=True)
@@ -114,6 +114,21 @@ def kvpage_greedy(model: torch.nn.Module, prompts: list[list[int]], max_new_toke
         llm.restore()
     exercised = {"prefix_cache_hits": int(stats["prefix_cache_hits"]), "preemptions": int(stats["num_preemptions"])}
     return [list(o.outputs[0].token_ids) for o in outs], exercised
+
+
+def _blocks_for_one_request(model: torch.nn.Module, max_model_len: int, options: dict) -> int:
+    """Blocks one request of ``max_model_len`` tokens holds in the engine (every KV group of
+    a hybrid model, its sliding groups writing one step's chunk), from the config's spec."""
+    from kvpage.adapters.config_spec import kv_spec_from_config
+
+    bs = options["block_size"]
+    chunk = options.get("max_num_batched_tokens", max_model_len) if options.get("enable_chunked_prefill") \
+        else max_model_len
+    try:
+        groups = kv_spec_from_config(model.config, bs, "float32").kv_groups()
+    except ValueError:  # a config the planner cannot read: one group, as the engine then uses too
+        return -(-max_model_len // bs)
+    return groups.blocks_per_request(max_model_len, bs, min(chunk, max_model_len))
 
 
 def compare_with_hf(model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int = 8,
