@@ -193,3 +193,28 @@ def test_tiers_need_a_single_group():
         CacheConfig(block_size=4, num_blocks=8, num_host_blocks=8, group_windows=(None, 8))
     with pytest.raises(ValueError, match="full-attention"):
         CacheConfig(block_size=4, num_blocks=8, group_windows=(8, None))
+
+
+def test_recomputing_a_prefix_refills_its_evicted_window():
+    """A prefix whose sliding blocks were evicted while its full blocks stayed held: a request
+    recomputing it adopts its own sliding blocks into the existing nodes, so the next request
+    hits again; evicting those nodes later leaves the adopter's blocks to the adopter."""
+    pool, cache, tokens, full, sliding = _cache_with_path()
+    query = tokens + [99] * 4
+    pool.free(sliding)  # holder A moved on: its window blocks went idle...
+    cache.evict(10)  # ...and were evicted; A still holds the full blocks
+    assert cache.match_prefix(query).num_tokens == 0
+    b_full, b_sliding = pool.allocate(10, 0), pool.allocate(10, 1)
+    # B inserts in two chunks, the second resuming along A's nodes.
+    assert cache.insert(tokens[:24], b_full[:6], group_tables=[b_sliding[:6]]) == 0
+    assert cache.insert(tokens, b_full, start_block=6, group_tables=[b_sliding]) == 0  # no new nodes
+    hit = cache.match_prefix(query)
+    assert hit.num_tokens == 40 and hit.block_ids == tuple(full) and hit.group_blocks == ((8, tuple(b_sliding[8:])),)
+    cache.check_integrity()
+    pool.free(full[::-1])  # A ends: its nodes can go, B's adopted blocks stay B's
+    assert cache.evict(100) == 10
+    assert pool.num_cached_blocks == 0 and pool.num_used_blocks == 20
+    cache.check_integrity()
+    pool.free(b_full + b_sliding)
+    assert pool.num_free_blocks == pool.num_blocks
+    pool.check_integrity()

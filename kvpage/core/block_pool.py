@@ -230,6 +230,15 @@ class BlockPool:
             self._cached[block_id] = True
             self._num_cached += 1
 
+    def uncache(self, block_id: int) -> None:
+        """Forget that an in-use block is cached (its cache entry went); its last holder then
+        frees it to the free stack like any uncached block."""
+        self._check_id(block_id)
+        if not self._cached[block_id] or self._ref_count[block_id] == 0:
+            raise ValueError(f"block {block_id} is not cached and in use")
+        self._cached[block_id] = False
+        self._num_cached -= 1
+
     def release_cached(self, block_id: int) -> None:
         """Evict a cached-idle block: it forgets its prefix and returns to the free stack."""
         self._check_id(block_id)

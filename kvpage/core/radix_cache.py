@@ -230,17 +230,25 @@ class RadixCache:
         every block after it stay uncached. Returns the number of blocks newly cached.
 
         ``group_tables`` (hybrid models) are the holder's block tables of groups 1..; their
-        entries at the new nodes' positions are cached with them.
+        entries at the new nodes' positions are cached with them. Along another holder's
+        nodes the walk goes on instead of stopping, and fills in the sliding-group blocks
+        those nodes lost to eviction with the caller's (*adoption*): otherwise a prefix
+        whose window was evicted while its full blocks stayed in use could never be hit
+        again, since every request recomputing it would stop at the same nodes.
 
         ``start_block`` resumes an earlier insert of the same sequence by the same holder:
         ``block_ids[:start_block]`` were offered already, so the walk starts under
-        ``block_ids[start_block - 1]`` (nothing is added if that block did not get cached).
+        ``block_ids[start_block - 1]`` (nothing is added if that block did not get cached;
+        a hybrid holder walking another's path resumes from the root).
         """
         if len(tokens) < len(block_ids) * self.block_size:
             raise ValueError(f"{len(block_ids)} full blocks need {len(block_ids) * self.block_size} tokens, got {len(tokens)}")
         now = next(self._clock)
+        foreign = False  # walking nodes whose group-0 blocks are another holder's
         if start_block > 0:
             node = self._node_of_block.get(block_ids[start_block - 1])
+            if node is None and group_tables:
+                node, foreign = self._walk(tokens, namespace, start_block), True
             if node is None:
                 return 0  # an earlier insert stopped before this block; it stops there again
             ancestor = node
@@ -258,14 +266,16 @@ class RadixCache:
             block_id = block_ids[index]
             child = node.children.get(key)
             if child is not None and child.block_id != block_id:
+                if not group_tables:
+                    break
+                self._adopt_group_blocks(child, group_tables, index)
+                foreign = True
+            elif child is None:
                 # Hanging our next block under someone else's would let that block go idle
                 # (counted as free) while an in-use child pins it: eviction only takes
                 # leaves, so the pool would promise blocks it cannot produce.
-                break
-            if child is None:
-                if block_id in self._node_of_block:
-                    # Already cached under another prefix: one block cannot have two identities.
-                    break
+                if foreign or block_id in self._node_of_block:
+                    break  # (or: already cached under another prefix; one block, one identity)
                 child = _Node(key, block_id, node)
                 if group_tables and not self._attach_group_blocks(child, group_tables, index):
                     break
@@ -290,6 +300,25 @@ class RadixCache:
             self._group_of_block[b] = (node, g)
             self.pool.mark_cached(b)
         return True
+
+    def _walk(self, tokens: Sequence[int], namespace: Hashable, num_blocks: int) -> Optional[_Node]:
+        """The node of ``tokens``' first ``num_blocks`` blocks, or None if the path is shorter."""
+        node = self._roots.get(namespace)
+        for key in self._block_keys(tokens, num_blocks):
+            if node is None:
+                return None
+            node = node.children.get(key)
+        return node
+
+    def _adopt_group_blocks(self, node: _Node, group_tables: Sequence[Sequence[int]], index: int) -> None:
+        """Cache the caller's sliding-group blocks at ``index`` where ``node`` has none."""
+        for g, table in enumerate(group_tables, start=1):
+            block_id = table[index]
+            if (node.group_blocks[g - 1] is None and self.groups[g].is_sliding
+                    and block_id not in self._group_of_block and block_id not in self._node_of_block):
+                node.group_blocks[g - 1] = block_id
+                self._group_of_block[block_id] = (node, g)
+                self.pool.mark_cached(block_id)
 
     def _log_stored(self, last: _Node, count: int) -> None:
         """One ``BlockStored`` event for the ``count`` new nodes ending at ``last``."""
@@ -432,9 +461,12 @@ class RadixCache:
         self.pool.release_cached(node.block_id)
         released = 1
         for b in node.group_blocks or ():
-            if b is not None:
-                # Its holders hold the node's group-0 block too, so it is idle as well.
-                del self._group_of_block[b]
+            if b is None:
+                continue
+            del self._group_of_block[b]
+            if self.pool.ref_count(b):
+                self.pool.uncache(b)  # adopted and still held: its holder frees it as any block
+            else:
                 self.pool.release_cached(b)
                 released += 1
         return released
@@ -467,7 +499,9 @@ class RadixCache:
             count += 1
             assert self._group_of_block.get(b) == (node, g) and self.pool.is_cached(b)
             if self.pool.ref_count(b) > 0:
-                assert self.pool.ref_count(node.block_id) > 0, f"group {g} block {b} is held, its node's is not"
+                # Holders take whole prefixes, except a sliding block adopted from another holder.
+                assert self.groups[g].is_sliding or self.pool.ref_count(node.block_id) > 0, \
+                    f"group {g} block {b} is held, its node's is not"
             elif self.groups[g].is_sliding:
                 assert (id(node), g) in queued, f"idle sliding block {b} is not evictable"
         return count
