@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from kvpage.thread_governor import ThreadGovernor, governor_for, read_cpu_busy_ticks, read_own_ticks, threads_for
 
 
@@ -75,3 +77,24 @@ def test_real_counters_read_and_the_governor_is_only_automatic(monkeypatch):
     assert governor_for(None, 1, lambda n: None) is None  # nothing to lower
     monkeypatch.setenv("KVPAGE_THREAD_GOVERNOR", "0")
     assert governor_for(None, 2, lambda n: None) is None
+
+
+def test_an_engine_ticks_its_governor_between_steps(monkeypatch):
+    """With the governor on, the engine owns one, ticks it every step and reports its count."""
+    from kvpage import LLM, SamplingParams
+    from tiny_models import tiny_model
+
+    monkeypatch.delenv("KVPAGE_NUM_THREADS", raising=False)
+    monkeypatch.setenv("KVPAGE_THREAD_GOVERNOR", "1")
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one CPU: nothing to lower, so no governor")
+    llm = LLM(tiny_model("llama"), block_size=4, num_kv_blocks=32, max_model_len=64)
+    try:
+        gov = llm.engine.thread_governor
+        assert gov is not None
+        ticks = []
+        monkeypatch.setattr(gov, "tick", lambda: ticks.append(1) or gov.current)
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+        assert len(ticks) >= 4 and llm.stats()["compute_threads"] == gov.current
+    finally:
+        llm.restore()
