@@ -10,9 +10,9 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+from .bench.workload import SCENARIOS
 from .cli_args import non_negative_float, positive_int
 
-SCENARIOS = ("sharegpt", "burst", "shared-prefix", "multi-turn", "long-context")
 SCALES = ("auto", "tiny", "quick", "cpu", "full")
 LETTERS = "ABCDEFG"
 

@@ -20,18 +20,12 @@ from .kv_storage import KVCacheSpec, determine_num_blocks, kv_sizing_rule
 
 def group_rows(spec: KVCacheSpec, groups: KVCacheGroups, max_model_len: int) -> list[dict]:
     """One row per KV group: its layers and window, KV bytes per token, blocks per request."""
-    per_layer_token = spec.bytes_per_block_of(groups) // (spec.block_size * groups.group_size) \
-        if groups.is_hybrid else None
-    rows = []
-    for index, group in enumerate(groups.groups):
-        if groups.is_hybrid:
-            token_bytes = groups.group_size * per_layer_token  # padding positions cost memory too
-        else:
-            token_bytes = spec.bytes_per_token
-        rows.append({"group": index, "sliding_window": group.sliding_window, "num_layers": len(group.layers),
-                     "layers": list(group.layers), "kv_bytes_per_token": token_bytes,
-                     "blocks_per_request": group.blocks_held(max_model_len, spec.block_size)})
-    return rows
+    # A block holds group_size layers in every group, padding positions included.
+    token_bytes = spec.bytes_per_block_of(groups) // spec.block_size
+    return [{"group": index, "sliding_window": group.sliding_window, "num_layers": len(group.layers),
+             "layers": list(group.layers), "kv_bytes_per_token": token_bytes,
+             "blocks_per_request": group.blocks_held(max_model_len, spec.block_size)}
+            for index, group in enumerate(groups.groups)]
 
 
 def plan_layout(spec: KVCacheSpec, groups: KVCacheGroups, max_model_len: int, chunk_tokens: int,

@@ -45,7 +45,7 @@ def kv_bytes_per_token(model: Any) -> int:
     return 2 * config.num_hidden_layers * kv_heads * head_dim * itemsize
 
 
-def random_llama(name: str, seed: int, device: str, max_positions: int = 8192) -> Any:
+def random_model(name: str, seed: int, device: str, max_positions: int = 8192) -> Any:
     """A freshly initialised causal LM of size ``name`` (a key of ``RANDOM_SIZES``): Llama, or
     Gemma3 for ``random-gemma3``."""
     import torch
@@ -72,7 +72,7 @@ def random_llama(name: str, seed: int, device: str, max_positions: int = 8192) -
 def load(name: str, seed: int, device: str) -> LoadedModel:
     """``name`` is a key of ``RANDOM_SIZES``, a local HF folder or a kvpage alias (``smollm2-135m``)."""
     if name in RANDOM_SIZES:
-        model = random_llama(name, seed, device)
+        model = random_model(name, seed, device)
     else:
         from kvpage.adapters.hf_engine import load_model
         from kvpage.core.config import EngineConfig

@@ -1,9 +1,10 @@
 """The numpy-only core of kvpage: what to run each step, and which KV blocks it uses.
 
 Owns: the block pool (``block_pool``), the radix prefix cache (``radix_cache``), per-request
-block tables (``kv_cache_manager``) and their KV groups for hybrid models (``kv_groups``), the iteration-level scheduler (``scheduler``,
-``waiting_queue``), request state (``request``), the per-step metadata handed to a model
-runner (``metadata``), and validated configuration (``config``, ``sampling_params``).
+block tables (``kv_cache_manager``) and their KV groups for hybrid models (``kv_groups``),
+the iteration-level scheduler (``scheduler``, ``waiting_queue``), request state
+(``request``), the per-step metadata handed to a model runner (``metadata``), and
+validated configuration (``config``, ``sampling_params``).
 Under the prefix cache: stable block hashes (``block_hash``), the lower tiers' indexes and
 what moves between them (``tier_pool``, ``kv_offload``, ``kv_transfers``), the scheduler's
 side of them (``tier_scheduling``, ``fetch_waits``), and KV events (``kv_events``).
@@ -26,6 +27,7 @@ from .scheduler import QueueFullError, Scheduler, SchedulerOutput
 
 __all__ = [
     "BlockPool", "NoFreeBlocksError", "CacheConfig", "EngineConfig", "SchedulerConfig", "KVCacheManager",
-    "KVCacheGroups", "KVGroup", "plan_kv_groups", "StepMetadata", "build_step_metadata", "PrefixMatch", "RadixCache", "FinishReason", "Request",
-    "RequestStatus", "SamplingParams", "QueueFullError", "Scheduler", "SchedulerOutput",
+    "KVCacheGroups", "KVGroup", "plan_kv_groups", "StepMetadata", "build_step_metadata", "PrefixMatch",
+    "RadixCache", "FinishReason", "Request", "RequestStatus", "SamplingParams", "QueueFullError", "Scheduler",
+    "SchedulerOutput",
 ]

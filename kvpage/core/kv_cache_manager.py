@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Optional, Sequence
 
 from .block_pool import BlockPool
-from .kv_groups import KVGroup
+from .kv_groups import blocks_per_request, cdiv, groups_of_windows
 from .radix_cache import PrefixMatch, RadixCache
 from .request import Request
 
@@ -28,10 +28,6 @@ if TYPE_CHECKING:
     from .kv_offload import KVOffloadManager
 
 _NO_HIT = PrefixMatch((), 0)
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class KVCacheManager:
@@ -46,9 +42,7 @@ class KVCacheManager:
         self.prefix_cache = prefix_cache
         self.offload = offload
         self.block_size = pool.block_size
-        self.groups = tuple(KVGroup((), w) for w in windows)
-        if not self.groups or self.groups[0].is_sliding:
-            raise ValueError(f"group 0 must be full attention, got windows {tuple(windows)}")
+        self.groups = groups_of_windows(windows)
         if offload is not None and len(self.groups) > 1:
             raise ValueError("the lower KV tiers keep one block table per request: they need a single KV group")
         self.num_groups = len(self.groups)
@@ -140,8 +134,7 @@ class KVCacheManager:
     def _take_hit(self, request: Request, num_new_tokens: int, hit: PrefixMatch) -> bool:
         """Lock the hit's pool blocks and its host entries, or change nothing and return False."""
         # Locking an idle cached block takes it out of the free count just like a fresh one.
-        held = [list(hit.block_ids)] + [list(blocks) for _, blocks in hit.group_blocks]
-        locked = [b for blocks in held for b in blocks]
+        locked = [*hit.block_ids, *(b for _, blocks in hit.group_blocks for b in blocks)]
         idle_hits = sum(1 for b in locked if self.pool.ref_count(b) == 0)
         if self.num_blocks_needed(request, num_new_tokens, hit) + idle_hits > self.pool.num_free_blocks:
             return False
@@ -211,7 +204,7 @@ class KVCacheManager:
     def blocks_held(self, num_tokens: int, chunk_tokens: int = 1) -> int:
         """Most blocks one request of ``num_tokens`` tokens holds over all groups while a
         step writes ``chunk_tokens`` of them."""
-        return sum(group.blocks_held(num_tokens, self.block_size, chunk_tokens) for group in self.groups)
+        return blocks_per_request(self.groups, num_tokens, self.block_size, chunk_tokens)
 
     @staticmethod
     def take_pending_copies(requests: Sequence[Request]) -> list[tuple[int, int]]:

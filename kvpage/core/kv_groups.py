@@ -71,6 +71,21 @@ class KVGroup:
         return min(whole, cdiv(self.sliding_window - 1 + chunk_tokens, block_size) + 1)
 
 
+def groups_of_windows(windows: Sequence[Optional[int]]) -> tuple:
+    """One layer-less ``KVGroup`` per window (what the block accounting needs); raises
+    ``ValueError`` unless group 0 is full attention."""
+    groups = tuple(KVGroup((), w) for w in windows)
+    if not groups or groups[0].is_sliding:
+        raise ValueError(f"group 0 must be full attention, got windows {tuple(windows)}")
+    return groups
+
+
+def blocks_per_request(groups: Sequence[KVGroup], num_tokens: int, block_size: int, chunk_tokens: int = 1) -> int:
+    """Blocks one request of ``num_tokens`` tokens holds over ``groups`` while a step writes
+    ``chunk_tokens`` of them (the engine's fit check and the planner's figure)."""
+    return sum(group.blocks_held(num_tokens, block_size, chunk_tokens) for group in groups)
+
+
 @dataclass(frozen=True)
 class KVCacheGroups:
     """How a model's attention layers map onto block tables and KV buffers.
@@ -120,9 +135,8 @@ class KVCacheGroups:
         raise ValueError(f"layer {layer} is in no KV group")
 
     def blocks_per_request(self, num_tokens: int, block_size: int, chunk_tokens: int = 1) -> int:
-        """Blocks one request of ``num_tokens`` tokens holds, over all groups, while a step
-        writes ``chunk_tokens`` of them (the engine's fit check and the planner's figure)."""
-        return sum(group.blocks_held(num_tokens, block_size, chunk_tokens) for group in self.groups)
+        """``blocks_per_request`` over these groups."""
+        return blocks_per_request(self.groups, num_tokens, block_size, chunk_tokens)
 
 
 def plan_kv_groups(windows: Sequence[Optional[int]], hybrid: bool = True,

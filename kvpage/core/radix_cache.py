@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Hashable, Optional, Sequence
 from .block_hash import BlockHash, chain_hashes, external_hash, namespace_root
 from .block_pool import BlockPool
 from .kv_events import MEDIUM_POOL, KVEventLog
-from .kv_groups import KVGroup
+from .kv_groups import groups_of_windows
 
 if TYPE_CHECKING:
     from .kv_offload import KVOffloadManager
@@ -101,9 +101,7 @@ class RadixCache:
         self.offload = offload
         self.events = events or KVEventLog()
         self.block_size = pool.block_size
-        self.groups = tuple(KVGroup((), w) for w in windows)
-        if not self.groups or self.groups[0].is_sliding:
-            raise ValueError(f"group 0 must be full attention, got windows {tuple(windows)}")
+        self.groups = groups_of_windows(windows)
         self._roots: dict[Hashable, _Node] = {}
         self._node_of_block: dict[int, _Node] = {}
         self._group_of_block: dict[int, tuple] = {}  # a cached block of group g >= 1 -> (node, g)
@@ -295,10 +293,9 @@ class RadixCache:
         blocks = [table[index] for table in group_tables]
         if any(b in self._group_of_block or b in self._node_of_block for b in blocks):
             return False
-        node.group_blocks = blocks
+        node.group_blocks = [None] * len(blocks)
         for g, b in enumerate(blocks, start=1):
-            self._group_of_block[b] = (node, g)
-            self.pool.mark_cached(b)
+            self._cache_group_block(node, g, b)
         return True
 
     def _walk(self, tokens: Sequence[int], namespace: Hashable, num_blocks: int) -> Optional[_Node]:
@@ -316,9 +313,12 @@ class RadixCache:
             block_id = table[index]
             if (node.group_blocks[g - 1] is None and self.groups[g].is_sliding
                     and block_id not in self._group_of_block and block_id not in self._node_of_block):
-                node.group_blocks[g - 1] = block_id
-                self._group_of_block[block_id] = (node, g)
-                self.pool.mark_cached(block_id)
+                self._cache_group_block(node, g, block_id)
+
+    def _cache_group_block(self, node: _Node, group: int, block_id: int) -> None:
+        node.group_blocks[group - 1] = block_id
+        self._group_of_block[block_id] = (node, group)
+        self.pool.mark_cached(block_id)
 
     def _log_stored(self, last: _Node, count: int) -> None:
         """One ``BlockStored`` event for the ``count`` new nodes ending at ``last``."""
