@@ -199,6 +199,7 @@ def build_hf_engine(model: torch.nn.Module, tokenizer: Any, config: EngineConfig
     try:
         engine = _assemble(runner, model, tokenizer, config)
         if runner.device.type == "cpu":
+            engine.compute_threads = num_threads
             engine.thread_governor = governor_for(config.num_threads, num_threads, set_compute_threads)
         return engine
     except BaseException:

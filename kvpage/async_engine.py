@@ -31,6 +31,7 @@ from .core.sampling_params import SamplingParams
 from .engine import LLMEngine
 from .outputs import RequestOutput, StreamDelta
 from .prompts import Prompt
+from .threads import release_thread_pools
 
 log = logging.getLogger("kvpage.async_engine")
 
@@ -56,6 +57,9 @@ class AsyncLLM:
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> "AsyncLLM":
         if self._thread is None:
+            # This thread loaded and warmed up the model: its idle OpenMP pools would make the
+            # runtime stop spinning between the engine thread's parallel regions (see kvpage.threads).
+            release_thread_pools()
             self._thread = threading.Thread(target=self._run, name="kvpage-engine", daemon=True)
             self._thread.start()
         return self
@@ -77,6 +81,7 @@ class AsyncLLM:
 
     # ------------------------------------------------------------------ the thread
     def _run(self) -> None:
+        self.engine.adopt_current_thread()
         while not self._stop.is_set():
             self._drain_commands(block=not self.engine.has_unfinished_requests())
             self._finished_this_step = {}

@@ -46,6 +46,16 @@ class LLMEngine:
         self.kv_tiers: Optional[Any] = None  # a KVTierAgent, attached by kvpage.tiers.attach_kv_tiers
         self.kv_event_publisher: Optional[Any] = None  # attached by kv_events_publisher.attach_kv_events
         self.thread_governor: Optional[Any] = None  # a thread_governor.ThreadGovernor, set by the builder
+        self.compute_threads: Optional[int] = None  # CPU runners: the count the builder configured
+
+    def adopt_current_thread(self) -> None:
+        """Call in a thread that is about to run ``step`` after another thread built or
+        stepped the engine: gives this thread the engine's compute-thread count (numba keeps
+        its count per thread). The thread handing over calls ``threads.release_thread_pools``."""
+        if self.compute_threads is not None:
+            from .threads import set_compute_threads
+
+            set_compute_threads(self.thread_governor.current if self.thread_governor else self.compute_threads)
 
     @property
     def tokenizer(self) -> Any:
