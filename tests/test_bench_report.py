@@ -115,3 +115,42 @@ def test_long_context_scenario_compares_hybrid_on_and_off(tmp_path):
     assert set(rows) == {"E", "G"}
     assert rows["E"]["useful_tokens"] == rows["G"]["useful_tokens"] == report["scenarios"][0]["useful_tokens"]
     assert rows["E"]["max_concurrency"] > rows["G"]["max_concurrency"]
+
+
+def test_e2e_benchmark_reports_the_compiled_run():
+    """``benchmarks/bench_e2e.py --compiled`` adds (e) and its ratios against HF to the table;
+    the bench's engine settings turn compilation on for it."""
+    import importlib.util
+    from pathlib import Path
+
+    from kvpage.bench.runners.common import RunContext
+    from kvpage.bench.runners.paged import engine_config
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_e2e.py"
+    spec = importlib.util.spec_from_file_location("bench_e2e_under_test", path)
+    bench_e2e = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_e2e)
+    row = lambda tps, wall: {"status": "ok", "useful_tokens_per_s": tps, "wall_s": wall, "num_steps": 3}  # noqa: E731
+    rows = {"a_hf_static_b8": row(100.0, 4.0), "b_hf_continuous": row(200.0, 2.0), "c_kvpage": row(500.0, 0.8),
+            "d_bare_forward": {**row(550.0, 0.7), "forward_in_run_s": 0.72}, "e_kvpage_compiled": row(650.0, 0.6)}
+    ratios = bench_e2e._ratios(rows)
+    assert ratios["compiled_vs_static"] == pytest.approx(6.5)
+    assert ratios["compiled_vs_hf_continuous"] == pytest.approx(3.25)
+    assert ratios["vs_hf_continuous"] == pytest.approx(2.5)
+    table = bench_e2e.format_table({"model": "m", "num_params": 1e6, "num_requests": 2, "useful_tokens": 10,
+                                    "prompt_tokens": 5, "systems": rows, "ratios": ratios})
+    assert "| e_kvpage_compiled | 650.0 |" in table
+    assert "| compiled_vs_hf_continuous | 3.25x (met) | >= 3.0x |" in table
+    assert "| vs_hf_continuous | 2.50x (missed) | >= 3.0x |" in table
+    del rows["e_kvpage_compiled"]
+    assert "compiled_vs_static" not in bench_e2e._ratios(rows)
+    from kvpage.bench import model as model_mod
+    from kvpage.bench.workload import Scale, sharegpt
+
+    loaded = model_mod.load("random-tiny", 0, "cpu")
+    work = sharegpt(Scale(num_requests=2, prompt_median=8, prompt_sigma=0.1, output_median=4, output_sigma=0.1,
+                          max_prompt=16, max_output=8, arrival_rate=0.0), loaded.vocab_size, 0)
+    ctx = RunContext(workload=work, loaded=loaded, token_budget=16, unchunked_token_budget=16, seed=0,
+                     kv_budget_bytes=1 << 20)
+    assert engine_config(ctx, "D").enforce_eager is True
+    assert engine_config(ctx, "D", enforce_eager=False).enforce_eager is False

@@ -37,8 +37,10 @@ F_DISK_SHARE = 16
 _MAX_IDLE_STEPS = 10_000
 
 
-def engine_config(ctx: RunContext, config: str, disk_dir: Optional[str] = None) -> "EngineConfig":
-    """The engine settings of configuration ``config`` (C, D, E, G, or F with its disk folder)."""
+def engine_config(ctx: RunContext, config: str, disk_dir: Optional[str] = None,
+                  enforce_eager: bool = True) -> "EngineConfig":
+    """The engine settings of configuration ``config`` (C, D, E, G, or F with its disk folder);
+    ``enforce_eager=False`` compiles the model (``torch.compile``) at start-up."""
     from kvpage.core.config import EngineConfig
 
     chunked = config in ("D", "E", "F", "G")
@@ -51,14 +53,15 @@ def engine_config(ctx: RunContext, config: str, disk_dir: Optional[str] = None) 
     return EngineConfig(kv_cache_memory=ctx.kv_budget_bytes, block_size=ctx.block_size,
                         max_num_seqs=ctx.max_num_seqs, max_num_batched_tokens=budget, enable_chunked_prefill=chunked,
                         enable_prefix_caching=config in ("E", "F", "G"), max_model_len=ctx.max_len, seed=ctx.seed,
-                        onednn_linears=True, disable_hybrid_kv_cache_manager=config == "G", **tiers)
+                        onednn_linears=True, disable_hybrid_kv_cache_manager=config == "G",
+                        enforce_eager=enforce_eager, **tiers)
 
 
-def build_llm(ctx: RunContext, config: str, disk_dir: Optional[str] = None):
+def build_llm(ctx: RunContext, config: str, disk_dir: Optional[str] = None, enforce_eager: bool = True):
     """An ``LLM`` over ``ctx.model`` for configuration ``config`` (C, D, E, F or G)."""
     from kvpage.llm import LLM
 
-    return LLM(ctx.model, config=engine_config(ctx, config, disk_dir))
+    return LLM(ctx.model, config=engine_config(ctx, config, disk_dir, enforce_eager))
 
 
 def _warm_up(llm, vocab: int) -> None:
@@ -112,11 +115,12 @@ def _drive(ctx: RunContext, llm, result: RunResult, desc: str) -> None:
     result.traces = list(traces.values())
 
 
-def run(ctx: RunContext, config: str, replay: bool = False) -> RunResult:
-    """Run configuration ``config``. With ``replay``, also time the run's recorded steps through
-    the bare model (``extra["bare_forward_s"]``, see ``replay_forward_s``)."""
+def run(ctx: RunContext, config: str, replay: bool = False, enforce_eager: bool = True) -> RunResult:
+    """Run configuration ``config`` (compiled with ``enforce_eager=False``). With ``replay``,
+    also time the run's recorded steps through the bare model (``extra["bare_forward_s"]``,
+    see ``replay_forward_s``)."""
     disk_dir = tempfile.mkdtemp(prefix="kvpage-bench-kv-") if config == "F" else None
-    llm = build_llm(ctx, config, disk_dir)
+    llm = build_llm(ctx, config, disk_dir, enforce_eager)
     try:
         _warm_up(llm, ctx.loaded.vocab_size)
         engine = llm.engine
