@@ -144,6 +144,29 @@ def test_bench_decode_target_ratio(benchmark):
            torch_over_contiguous=round(medians["torch"] / medians["contiguous_sdpa"], 2))
 
 
+def test_bench_decode_bf16_from_a_large_pool(benchmark):
+    """SmolLM2's decode shape in bf16 (batch 34 x context 220, 9 query / 3 KV heads), each
+    call on another of 30 layers' worth of scattered blocks, so K/V come from DRAM as in a
+    served model (a single layer's KV stays in the caches and flatters the kernel)."""
+    layers, batch, ctx, bs = 30, 34, 220, 16
+    g = torch.Generator().manual_seed(0)
+    per_seq = -(-ctx // bs)
+    num_blocks = layers * batch * per_seq
+    kc = torch.randn(num_blocks, bs, 3, HEAD_DIM, generator=g).to(torch.bfloat16)
+    vc = torch.randn(num_blocks, bs, 3, HEAD_DIM, generator=g).to(torch.bfloat16)
+    perm = torch.randperm(num_blocks, generator=g).to(torch.int32).view(layers, batch, per_seq)
+    qsl, lens = np.arange(batch + 1, dtype=np.int32), np.full(batch, ctx, np.int32)
+    metas = [prepare_cpu_attention_metadata(qsl, lens, perm[i].numpy(), num_decodes=batch) for i in range(layers)]
+    q = torch.randn(batch, 9, HEAD_DIM, generator=g).to(torch.bfloat16)
+    calls = iter(range(1 << 62))
+
+    def one_layer():
+        return paged_attention_cpu(q, kc, vc, metadata=metas[next(calls) % layers], scaling=SCALE)
+
+    benchmark(one_layer)
+    record(benchmark, batch * ctx * 3 * HEAD_DIM * 2 * 2, impl="numba", phase="decode", dtype="bfloat16")
+
+
 # (query lengths, context lengths)
 PREFILL_SWEEP = {
     "full_1x512": ([512], [512]),
