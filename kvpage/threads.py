@@ -86,6 +86,10 @@ def set_compute_threads(count: int) -> None:
 
 #: Shared-object names of the OpenMP runtimes torch and numba may load.
 _OPENMP_RUNTIMES = ("libgomp", "libiomp5", "libomp")
+#: Runtimes whose pause frees only the calling thread's pool (GNU's ``gomp_pause_host``);
+#: LLVM's and Intel's pause the whole runtime, unsafe while another engine thread is inside
+#: a parallel region, so they are left alone.
+_PER_THREAD_PAUSE = ("libgomp",)
 _OMP_PAUSE_SOFT = 1  # omp_pause_resource_t: free the threads, keep the runtime's state
 
 
@@ -106,8 +110,8 @@ def loaded_openmp_runtimes(maps_path: str = "/proc/self/maps") -> list[str]:
 
 
 def release_thread_pools() -> int:
-    """Free the OpenMP worker threads the *calling* thread owns, in every loaded runtime
-    (``omp_pause_resource_all``, OpenMP 5.0); returns how many runtimes released them. Call
+    """Free the OpenMP worker threads the *calling* thread owns, in every loaded GNU OpenMP
+    runtime (``omp_pause_resource_all``, OpenMP 5.0); returns how many released them. Call
     it in the thread that loaded and warmed up the model, before another thread runs the
     steps (see the module docstring). A later parallel region in this thread builds a new
     pool, so it is safe at any time outside a parallel region."""
@@ -115,6 +119,8 @@ def release_thread_pools() -> int:
 
     released = 0
     for path in loaded_openmp_runtimes():
+        if not os.path.basename(path).startswith(_PER_THREAD_PAUSE):
+            continue
         try:
             pause = ctypes.CDLL(path).omp_pause_resource_all  # the already-loaded copy: same handle
         except (OSError, AttributeError):
