@@ -243,6 +243,27 @@ def test_write_kv_bfloat16_casts():
     assert torch.equal(vc.view(-1, 1, 4)[[0, 17, 31]], (2 * k).bfloat16())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_write_kv_numba_store_equals_index_copy(dtype):
+    """Contiguous torch caches take numba's row store; it writes what ``index_copy_`` writes,
+    for K and V of different head sizes too, and refuses slots outside the cache."""
+    from kvpage.attention.torch_cpu import write_kv_torch
+
+    g = torch.Generator().manual_seed(3)
+    kc = torch.randn(5, BS, 2, 8, generator=g).to(dtype)
+    vc = torch.randn(5, BS, 2, 4, generator=g).to(dtype)
+    k, v = torch.randn(7, 2, 8, generator=g), torch.randn(7, 2, 4, generator=g)  # fp32 rows: cast on write
+    slots = torch.randperm(5 * BS, generator=g)[:7].numpy().astype(np.int64)
+    want_k, want_v = kc.clone(), vc.clone()
+    write_kv_torch(want_k, want_v, k, v, slots)
+    write_kv_cpu(kc, vc, k, v, slots)
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+    with pytest.raises(IndexError, match="outside the cache"):
+        write_kv_cpu(kc, vc, k[:1], v[:1], np.array([5 * BS], np.int64))
+    with pytest.raises(ValueError, match="slots for"):
+        write_kv_cpu(kc, vc, k, v, slots[:3])
+
+
 def test_bad_inputs_raise():
     rng = np.random.default_rng(8)
     q, kc, vc, qsl, lens, tables = make_case(rng, [2], [5], heads=6, kv_heads=4)

@@ -258,13 +258,17 @@ def _cache_views(key_cache, value_cache):
 def write_kv_cpu(key_cache, value_cache, k, v, slot_mapping=None, *, metadata: Optional[CPUAttentionMetadata] = None) -> None:
     """The contract's ``write_kv`` on CPU (torch tensors or numpy arrays), in place.
 
-    Slots come from ``slot_mapping`` or ``metadata.slot_mapping``.
+    Slots come from ``slot_mapping`` or ``metadata.slot_mapping``. Contiguous torch caches
+    take numba's row store when numba is there, else ``index_copy_``.
     """
     if slot_mapping is None:
         if metadata is None or metadata.slot_mapping is None:
             raise ValueError("pass slot_mapping, or metadata built with slot_mapping")
-        slot_mapping = metadata.torch_index("slot_mapping") if _is_torch(key_cache) else metadata.slot_mapping
+        slot_mapping = metadata.slot_mapping
     if _is_torch(key_cache):
+        if _numba_available() and _numba_storable(key_cache, value_cache):
+            _store_numba(key_cache, value_cache, k, v, slot_mapping)
+            return
         from .torch_cpu import write_kv_torch
 
         write_kv_torch(key_cache, value_cache, k, v, slot_mapping)
@@ -272,3 +276,32 @@ def write_kv_cpu(key_cache, value_cache, k, v, slot_mapping=None, *, metadata: O
         from .reference import write_kv_reference
 
         write_kv_reference(key_cache, value_cache, k, v, slot_mapping)
+
+
+def _numba_storable(key_cache, value_cache) -> bool:
+    return (key_cache.device.type == "cpu" and key_cache.dtype == value_cache.dtype
+            and str(key_cache.dtype) in _ROW_VIEWS and key_cache.is_contiguous() and value_cache.is_contiguous())
+
+
+#: How numba sees each cache dtype: fp32 as is, 16-bit floats as their uint16 bits.
+_ROW_VIEWS = {"torch.float32": None, "torch.float16": "uint16", "torch.bfloat16": "uint16"}
+
+
+def _store_numba(key_cache, value_cache, k, v, slot_mapping) -> None:
+    import torch
+
+    from .numba_cpu import store_kv_numba
+
+    as_bits = _ROW_VIEWS[str(key_cache.dtype)] is not None
+
+    def view(x):
+        if x.dtype != key_cache.dtype:
+            x = x.to(key_cache.dtype)
+        x = x.contiguous()
+        return (x.view(torch.uint16) if as_bits else x).numpy()
+
+    slots = slot_mapping if isinstance(slot_mapping, np.ndarray) and slot_mapping.dtype == np.int64 \
+        else _to_numpy(slot_mapping, np.int64)
+    if slots.shape[0] != k.shape[0] or slots.shape[0] != v.shape[0]:
+        raise ValueError(f"slot_mapping has {slots.shape[0]} slots for {k.shape[0]} K and {v.shape[0]} V rows")
+    store_kv_numba(view(key_cache), view(value_cache), view(k), view(v), slots)
