@@ -139,7 +139,7 @@ def test_decode_context_splits(option, dtype):
 
     rng = np.random.default_rng(7)
     case = make_case(rng, [1, 1], [700, 1029], heads=4, kv_heads=2, head_dim=32)
-    assert decode_splits(2, 2, 1029, BS, 2) > 1
+    assert decode_splits(2, 1029, BS, 2) > 1
     opts = options(rng, option, 4)
     if option == "window":
         opts["sliding_window"] = 300  # spans partitions and splits

@@ -243,16 +243,23 @@ def _torch_prefill_into(result, q, key_cache, value_cache, md, scaling, sliding_
 
 def _cache_views(key_cache, value_cache):
     """Zero-copy numpy views of torch caches for numba: fp32 as is, fp16/bf16 as uint16 bits."""
-    import torch
-
     if key_cache.device.type != "cpu" or not key_cache.is_contiguous() or not value_cache.is_contiguous():
         raise ValueError("numba backend needs contiguous CPU caches")
-    names = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
-    if key_cache.dtype not in names:
+    name = _NUMBA_DTYPES.get(str(key_cache.dtype))
+    if name is None:
         raise ValueError(f"unsupported cache dtype {key_cache.dtype}")
-    if key_cache.dtype == torch.float32:
-        return key_cache.numpy(), value_cache.numpy(), "float32"
-    return key_cache.view(torch.uint16).numpy(), value_cache.view(torch.uint16).numpy(), names[key_cache.dtype]
+    return _numba_view(key_cache), _numba_view(value_cache), name
+
+
+#: Torch dtypes numba reads, by the name the kernels take (``cache_dtype``).
+_NUMBA_DTYPES = {"torch.float32": "float32", "torch.float16": "float16", "torch.bfloat16": "bfloat16"}
+
+
+def _numba_view(t):
+    """A contiguous CPU tensor as numba sees it: fp32 as is, 16-bit floats as uint16 bits."""
+    import torch
+
+    return (t if t.dtype == torch.float32 else t.view(torch.uint16)).numpy()
 
 
 def write_kv_cpu(key_cache, value_cache, k, v, slot_mapping=None, *, metadata: Optional[CPUAttentionMetadata] = None) -> None:
@@ -280,28 +287,14 @@ def write_kv_cpu(key_cache, value_cache, k, v, slot_mapping=None, *, metadata: O
 
 def _numba_storable(key_cache, value_cache) -> bool:
     return (key_cache.device.type == "cpu" and key_cache.dtype == value_cache.dtype
-            and str(key_cache.dtype) in _ROW_VIEWS and key_cache.is_contiguous() and value_cache.is_contiguous())
-
-
-#: How numba sees each cache dtype: fp32 as is, 16-bit floats as their uint16 bits.
-_ROW_VIEWS = {"torch.float32": None, "torch.float16": "uint16", "torch.bfloat16": "uint16"}
+            and str(key_cache.dtype) in _NUMBA_DTYPES and key_cache.is_contiguous() and value_cache.is_contiguous())
 
 
 def _store_numba(key_cache, value_cache, k, v, slot_mapping) -> None:
-    import torch
-
     from .numba_cpu import store_kv_numba
 
-    as_bits = _ROW_VIEWS[str(key_cache.dtype)] is not None
-
-    def view(x):
-        if x.dtype != key_cache.dtype:
-            x = x.to(key_cache.dtype)
-        x = x.contiguous()
-        return (x.view(torch.uint16) if as_bits else x).numpy()
-
-    slots = slot_mapping if isinstance(slot_mapping, np.ndarray) and slot_mapping.dtype == np.int64 \
-        else _to_numpy(slot_mapping, np.int64)
+    slots = _to_numpy(slot_mapping, np.int64)
     if slots.shape[0] != k.shape[0] or slots.shape[0] != v.shape[0]:
         raise ValueError(f"slot_mapping has {slots.shape[0]} slots for {k.shape[0]} K and {v.shape[0]} V rows")
-    store_kv_numba(view(key_cache), view(value_cache), view(k), view(v), slots)
+    rows = [_numba_view(x.to(key_cache.dtype).contiguous()) for x in (k, v)]
+    store_kv_numba(_numba_view(key_cache), _numba_view(value_cache), *rows, slots)

@@ -211,10 +211,9 @@ def compile_time_sizes(*sizes: int) -> tuple:
     return tuple((0,) * n for n in sizes)
 
 
-def decode_splits(num_decodes: int, num_kv_heads: int, max_context: int, block_size: int, num_threads: int) -> int:
-    """Context splits per sequence: 1 unless that leaves fewer than ``4 * num_threads``
-    items, then enough to reach it, at most one per partition. (``num_kv_heads`` is kept
-    for callers; every item covers all KV heads.)"""
+def decode_splits(num_decodes: int, max_context: int, block_size: int, num_threads: int) -> int:
+    """Context splits per sequence (every item covers all KV heads): 1 unless that leaves
+    fewer than ``4 * num_threads`` items, then enough to reach it, at most one per partition."""
     items = num_decodes
     if items >= 4 * num_threads:
         return 1
@@ -227,7 +226,7 @@ def run_decode(q, key_cache, value_cache, block_tables, seq_lens, num_decodes, n
     """Pick the split count, allocate its scratch and run :func:`decode_kernel` (arguments
     already typed by :func:`~kvpage.attention.numba_cpu.paged_attention_numba`)."""
     max_context = int(seq_lens[:num_decodes].max())
-    splits = decode_splits(num_decodes, key_cache.shape[2], max_context, key_cache.shape[1], num_threads)
+    splits = decode_splits(num_decodes, max_context, key_cache.shape[1], num_threads)
     num_heads, head_dim = q.shape[1], q.shape[2]
     shape = (num_decodes, num_heads, splits) if splits > 1 else (0, 0, 0)
     part_acc = np.empty(shape + (head_dim,), np.float32)
