@@ -82,6 +82,14 @@ class CpuBackend:
         return paged_attention_cpu(q, key_cache, value_cache, scaling=scaling, sliding_window=sliding_window,
                                    softcap=softcap, sinks=sinks, metadata=prepared)
 
+    def write_and_attend(self, q, k, v, key_cache, value_cache, prepared, scaling: float,
+                         sliding_window: Optional[int], softcap: Optional[float], sinks: Optional[torch.Tensor],
+                         write: bool = True):
+        from kvpage.attention.cpu import write_and_attend_cpu
+
+        return write_and_attend_cpu(q, k, v, key_cache, value_cache, scaling, sliding_window, softcap, sinks,
+                                    metadata=prepared, write=write)
+
 
 @dataclass(slots=True)
 class CudaIndices:

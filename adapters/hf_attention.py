@@ -53,6 +53,11 @@ class AttentionBackend(Protocol):
                   sinks: Optional[torch.Tensor]) -> torch.Tensor:
         """Paged attention of ``q`` ``[T, H, D]`` over each sequence's context; ``[T, H, D]``."""
 
+    # Optional: ``write_and_attend(q, k, v, key_cache, value_cache, prepared, scaling,
+    # sliding_window, softcap, sinks, write=True)``, ``write_kv`` (unless ``write`` is False)
+    # then ``attention`` in one call, for backends that can fuse the two (the CPU backend's
+    # decode steps); the context calls it instead of the pair when a backend has it.
+
 
 @dataclass
 class PagedForwardContext:
@@ -95,6 +100,10 @@ class PagedForwardContext:
             site = self.first_site[layer] + calls
         key_cache, value_cache = self.key_caches[site], self.value_caches[site]
         prepared = self.prepared if self.site_prepared is None else self.site_prepared[site]
+        fused = getattr(self.backend, "write_and_attend", None)
+        if fused is not None:
+            return fused(q, k, v, key_cache, value_cache, prepared, scaling, sliding_window, softcap, sinks,
+                         write=site not in self.reading_only)
         if site not in self.reading_only:
             self.backend.write_kv(key_cache, value_cache, k, v, prepared)
         return self.backend.attention(q, key_cache, value_cache, prepared, scaling, sliding_window, softcap, sinks)

@@ -35,7 +35,7 @@ OPTIONS = {
     "sinks": {"sinks": "random"},
 }
 # (decode_backend, prefill_backend) of the dispatcher on torch tensors; None = defaults.
-TORCH_BACKENDS = [("numba", "numba"), ("torch", "torch"), None]
+TORCH_BACKENDS = [("numba", "numba"), ("torch", "torch"), ("native", "torch"), None]
 
 
 def make_case(rng, q_lens, seq_lens, heads=8, kv_heads=4, head_dim=32, garbage=1e3):
@@ -131,9 +131,10 @@ def test_half_precision(dtype, option, backends):
     check(run_torch(*case, dtype, backends, **opts), expected(*case, dtype, **opts), dtype)
 
 
+@pytest.mark.parametrize("decode_backend", ["numba", "native"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("option", OPTIONS)
-def test_decode_context_splits(option, dtype):
+def test_decode_context_splits(option, dtype, decode_backend):
     """Few long sequences: the decode kernel splits each context and merges the parts."""
     from kvpage.attention.numba_decode import decode_splits
 
@@ -143,7 +144,8 @@ def test_decode_context_splits(option, dtype):
     opts = options(rng, option, 4)
     if option == "window":
         opts["sliding_window"] = 300  # spans partitions and splits
-    check(run_torch(*case, dtype, ("numba", "numba"), **opts), expected(*case, dtype, **opts), dtype)
+    backends = (decode_backend, "numba" if decode_backend == "numba" else "torch")
+    check(run_torch(*case, dtype, backends, **opts), expected(*case, dtype, **opts), dtype)
 
 
 def test_numba_float16_numpy_caches():
@@ -204,6 +206,7 @@ def test_random_ragged_batches(data):
     want = paged_attention_reference(*case, SCALE, **opts)
     check(paged_attention_numba(*case, SCALE, **opts), want, "float32")
     check(run_torch(*case, "float32", ("torch", "torch"), **opts), want, "float32")
+    check(run_torch(*case, "float32", ("native", "torch"), **opts), want, "float32")
 
 
 def test_work_tiles_cover_every_query_row_once():
@@ -245,7 +248,7 @@ def test_write_kv_bfloat16_casts():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_write_kv_numba_store_equals_index_copy(dtype):
-    """Contiguous torch caches take numba's row store; it writes what ``index_copy_`` writes,
+    """Contiguous torch caches take the native (else numba's) row store; it writes what ``index_copy_`` writes,
     for K and V of different head sizes too, and refuses slots outside the cache."""
     from kvpage.attention.torch_cpu import write_kv_torch
 

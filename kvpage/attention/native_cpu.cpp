@@ -1,0 +1,506 @@
+// kvpage native CPU kernels: paged decode attention and KV row stores (AVX-512).
+//
+// Built on first use by native_cpu.py (g++ -O3 -march=native -fopenmp) and loaded with
+// ctypes; the contract of every entry point is documented there and in
+// kvpage/attention/__init__.py (the numpy reference is the oracle).
+//
+// Why native code next to the numba kernels: numba's parallel loops run on a second copy
+// of GNU OpenMP (numba links the system libgomp by file name, torch bundles its own), so
+// every attention layer switched pools and the idle pool's spinning worker competed with
+// the busy one for the same cores. This library asks for libgomp.so.1 by soname, which
+// the dynamic linker resolves to the copy torch already loaded: one pool for the forward.
+// A ctypes call also costs a few microseconds where a numba dispatch of ~20 arguments
+// plus its Python wrapper cost tens.
+//
+// Decode layout (same as the numba kernel, numba_decode.py): one work item per
+// (sequence, context split) covering every KV head, so a token's K/V rows of all heads
+// (contiguous in the pool) are read once; streaming softmax one partition of
+// kPartition tokens at a time; the `group` query heads of a KV head share each row read.
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if !defined(__AVX512F__)
+#error "kvpage native kernels need AVX-512F (the loader falls back to numba without it)"
+#endif
+
+namespace {
+
+constexpr int kF32 = 0, kF16 = 1, kBF16 = 2;  // cache and q element types (MODE_* in numba_math)
+constexpr int64_t kPartition = 64;  // tokens per softmax partition: its K/V rows stay in L1
+constexpr int kMaxChunks = 16;                 // head_dim <= 256, in 16-float chunks
+
+// ---- 16-lane loads and stores of one element type ------------------------------------
+
+template <int T> inline __m512 load16(const void* base, int64_t i);
+template <> inline __m512 load16<kF32>(const void* b, int64_t i) {
+  return _mm512_loadu_ps(static_cast<const float*>(b) + i);
+}
+template <> inline __m512 load16<kBF16>(const void* b, int64_t i) {
+  __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(b) + i));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+template <> inline __m512 load16<kF16>(const void* b, int64_t i) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(b) + i)));
+}
+
+template <int T> inline void store16(void* base, int64_t i, __m512 x);
+template <> inline void store16<kF32>(void* b, int64_t i, __m512 x) { _mm512_storeu_ps(static_cast<float*>(b) + i, x); }
+template <> inline void store16<kBF16>(void* b, int64_t i, __m512 x) {
+  // Round to nearest even, as torch's float -> bfloat16 conversion; NaN stays a quiet NaN.
+  __m512i u = _mm512_castps_si512(x);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(b) + i), _mm512_cvtepi32_epi16(rounded));
+}
+template <> inline void store16<kF16>(void* b, int64_t i, __m512 x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(b) + i),
+                      _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+// exp(x) for x <= 0 (score minus running max): Cody-Waite reduction and a degree-6
+// polynomial, relative error below 1e-6 over [-87, 0]; 0 below -87 (and for -inf).
+inline __m512 exp_nonpositive(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(-87.0f);
+  __m512 v = _mm512_max_ps(x, lo);
+  __m512 k = _mm512_roundscale_ps(_mm512_fmadd_ps(v, _mm512_set1_ps(1.4426950408889634f), _mm512_set1_ps(0.5f)),
+                                  _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), v);
+  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  __m512i scaled = _mm512_add_epi32(_mm512_castps_si512(p), _mm512_slli_epi32(_mm512_cvtps_epi32(k), 23));
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, lo, _CMP_GT_OQ), _mm512_castsi512_ps(scaled));
+}
+
+inline float exp_nonpositive_scalar(float x) { return _mm512_cvtss_f32(exp_nonpositive(_mm512_set1_ps(x))); }
+
+struct DecodeArgs {
+  const void* q;
+  int64_t q_stride_token, q_stride_head;  // elements; the head_dim stride is 1
+  const void* key_cache;
+  const void* value_cache;
+  int64_t block_size, num_kv_heads, head_dim, num_heads;
+  const int32_t* block_tables;
+  int64_t table_stride;
+  const int32_t* seq_lens;
+  int64_t num_seqs;
+  float scale;
+  int64_t window;  // 0: none
+  float softcap;   // 0: none
+  const float* sinks;  // nullptr: none; else [num_heads]
+  void* out;           // [num_seqs, num_heads, head_dim], q's element type, contiguous
+  int64_t num_splits;
+  float* part_acc;    // [num_seqs, num_heads, num_splits, head_dim] when num_splits > 1
+  float* part_stats;  // [num_seqs, num_heads, num_splits, 2]: (max, denominator)
+};
+
+// The scaled query rows of sequence i as fp32, head-major.
+template <int T>
+void load_queries(const DecodeArgs& a, int64_t i, float* qf) {
+  const int64_t d16 = a.head_dim / 16;
+  const __m512 scale = _mm512_set1_ps(a.scale);
+  for (int64_t hq = 0; hq < a.num_heads; ++hq) {
+    int64_t base = i * a.q_stride_token + hq * a.q_stride_head;
+    for (int64_t c = 0; c < d16; ++c)
+      _mm512_storeu_ps(qf + hq * a.head_dim + c * 16, _mm512_mul_ps(load16<T>(a.q, base + c * 16), scale));
+  }
+}
+
+// Sixteen horizontal sums at once: lane i of the result is the sum of v[i]'s lanes
+// (a transpose-and-add tree: 45 instructions where sixteen separate reductions take ~130).
+inline __m512 reduce16(const __m512* v) {
+  __m512 x[8], y[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: a0+a2, b0+b2, a1+a3, b1+b3
+    x[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: the lane sums of four vectors
+    __m512d a = _mm512_castps_pd(x[2 * i]), b = _mm512_castps_pd(x[2 * i + 1]);
+    y[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  // Sum across the four 128-bit lanes; lane j of the result holds y[j]'s four vectors.
+  __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88), _mm512_shuffle_f32x4(y[0], y[1], 0xDD));
+  __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(y[2], y[3], 0x88), _mm512_shuffle_f32x4(y[2], y[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD));
+}
+
+#if defined(__AVX512BF16__)
+constexpr bool kHaveBf16Dot = true;
+#else
+constexpr bool kHaveBf16Dot = false;
+#endif
+
+// q.k of query row `qrow` and the n <= 16 K rows at key_cache + offs[j] into out16[0:n].
+// bf16 with AVX512-BF16: raw bf16 q and K pairs through vdpbf16ps (products exact in
+// fp32), `qrow` holds the unscaled bf16 query and the sums are scaled here; otherwise
+// `qrow` is the scaled fp32 query and K is widened to fp32.
+template <int T, int D16, bool kDot>
+inline void dot16(const DecodeArgs& a, const void* qrow, const int64_t* offs, int64_t n, float* out16) {
+  const int64_t d16 = D16 ? D16 : a.head_dim / 16;
+  __m512 acc[16];
+  for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
+  if constexpr (kDot) {
+    static_assert(T == kBF16, "the bf16 dot path reads bf16 K");
+#if defined(__AVX512BF16__)
+    const int64_t d32 = d16 / 2;  // head_dim % 32 == 0 on this path
+    const uint16_t* qb = static_cast<const uint16_t*>(qrow);
+    __m512i qv[kMaxChunks / 2];
+    for (int64_t c = 0; c < d32; ++c) qv[c] = _mm512_loadu_si512(qb + c * 32);
+    for (int64_t j = 0; j < n; ++j) {
+      const uint16_t* kr = static_cast<const uint16_t*>(a.key_cache) + offs[j];
+      for (int64_t c = 0; c < d32; ++c)
+        acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)qv[c], (__m512bh)_mm512_loadu_si512(kr + c * 32));
+    }
+    _mm512_storeu_ps(out16, _mm512_mul_ps(reduce16(acc), _mm512_set1_ps(a.scale)));
+#endif
+  } else {
+    const float* qf = static_cast<const float*>(qrow);
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t c = 0; c < d16; ++c)
+        acc[j] = _mm512_fmadd_ps(_mm512_loadu_ps(qf + c * 16), load16<T>(a.key_cache, offs[j] + c * 16), acc[j]);
+    _mm512_storeu_ps(out16, reduce16(acc));
+  }
+}
+
+template <int T>
+constexpr bool uses_bf16_dot(int64_t head_dim) { return T == kBF16 && kHaveBf16Dot && head_dim % 32 == 0; }
+
+// Scores of the partition's n tokens (`offs`: each token's row offset in the cache, all
+// heads) for every query head into scores[hq * kPartition + j]; `qrows` are the query rows
+// as dot16 takes them (raw bf16 or scaled fp32, head-major).
+template <int T, int D16>
+void partition_scores(const DecodeArgs& a, const int64_t* offs, int64_t n, const void* qrows, float* scores) {
+  const int64_t group = a.num_heads / a.num_kv_heads, D = a.head_dim;
+  const bool raw = uses_bf16_dot<T>(D);
+  int64_t head_offs[kPartition];
+  float tmp[16];
+  for (int64_t h = 0; h < a.num_kv_heads; ++h) {
+    for (int64_t j = 0; j < n; ++j) head_offs[j] = offs[j] + h * D;
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t hq = h * group + g;
+      const void* qrow = raw ? static_cast<const void*>(static_cast<const uint16_t*>(qrows) + hq * D)
+                             : static_cast<const void*>(static_cast<const float*>(qrows) + hq * D);
+      for (int64_t j0 = 0; j0 < n; j0 += 16) {
+        const int64_t m = std::min<int64_t>(16, n - j0);
+        if constexpr (T == kBF16 && kHaveBf16Dot) {
+          if (raw) dot16<T, D16, true>(a, qrow, head_offs + j0, m, tmp);
+          else dot16<T, D16, false>(a, qrow, head_offs + j0, m, tmp);
+        } else {
+          dot16<T, D16, false>(a, qrow, head_offs + j0, m, tmp);
+        }
+        std::memcpy(scores + hq * kPartition + j0, tmp, m * sizeof(float));
+      }
+    }
+  }
+}
+
+// Softmax step of one query head over n scores: turns them into weights under the new
+// running max and rescales that head's accumulator and denominator.
+void partition_softmax(float* s, int64_t n, float softcap, float* max_, float* den, float* acc, int64_t head_dim) {
+  if (softcap > 0)
+    for (int64_t j = 0; j < n; ++j) s[j] = softcap * std::tanh(s[j] / softcap);
+  float m_new = *max_;
+  for (int64_t j = 0; j < n; ++j) m_new = std::max(m_new, s[j]);
+  const __m512 m = _mm512_set1_ps(m_new);
+  __m512 total = _mm512_setzero_ps();
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + j), m));
+    _mm512_storeu_ps(s + j, e);
+    total = _mm512_add_ps(total, e);
+  }
+  if (j < n) {
+    __mmask16 tail = static_cast<__mmask16>((1u << (n - j)) - 1);
+    __m512 e = _mm512_maskz_mov_ps(tail, exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + j), m)));
+    _mm512_mask_storeu_ps(s + j, tail, e);
+    total = _mm512_add_ps(total, e);
+  }
+  const float alpha = exp_nonpositive_scalar(*max_ - m_new);  // 0 on the first partition (max -inf)
+  *max_ = m_new;
+  *den = *den * alpha + _mm512_reduce_add_ps(total);
+  if (alpha != 1.0f) {
+    const __m512 al = _mm512_set1_ps(alpha);
+    for (int64_t d = 0; d < head_dim; d += 16) _mm512_storeu_ps(acc + d, _mm512_mul_ps(_mm512_loadu_ps(acc + d), al));
+  }
+}
+
+// acc[hq] += sum over the partition's n tokens of weight * V row. The accumulators of up
+// to kRowsInRegisters query heads stay in registers across the tokens (head sizes 64 and
+// 128), so each V row is widened once per KV head and query-head chunk.
+constexpr int64_t kRowsInRegisters = 3;
+
+template <int T, int D16>
+void partition_values(const DecodeArgs& a, const int64_t* offs, int64_t n, const float* scores, float* acc) {
+  const int64_t group = a.num_heads / a.num_kv_heads, D = a.head_dim;
+  if constexpr (D16 > 0) {
+    for (int64_t h = 0; h < a.num_kv_heads; ++h) {
+      for (int64_t g0 = 0; g0 < group; g0 += kRowsInRegisters) {
+        const int64_t rows = std::min(kRowsInRegisters, group - g0), hq0 = h * group + g0;
+        __m512 r[kRowsInRegisters][D16];
+        for (int64_t g = 0; g < kRowsInRegisters; ++g)
+          for (int c = 0; c < D16; ++c)
+            r[g][c] = g < rows ? _mm512_loadu_ps(acc + (hq0 + g) * D + c * 16) : _mm512_setzero_ps();
+        for (int64_t j = 0; j < n; ++j) {
+          __m512 vv[D16];
+          for (int c = 0; c < D16; ++c) vv[c] = load16<T>(a.value_cache, offs[j] + h * D + c * 16);
+          for (int64_t g = 0; g < kRowsInRegisters; ++g) {
+            if (g >= rows) break;
+            const __m512 w = _mm512_set1_ps(scores[(hq0 + g) * kPartition + j]);
+            for (int c = 0; c < D16; ++c) r[g][c] = _mm512_fmadd_ps(w, vv[c], r[g][c]);
+          }
+        }
+        for (int64_t g = 0; g < rows; ++g)
+          for (int c = 0; c < D16; ++c) _mm512_storeu_ps(acc + (hq0 + g) * D + c * 16, r[g][c]);
+      }
+    }
+  } else {
+    const int64_t d16 = D / 16;
+    __m512 vv[kMaxChunks];
+    for (int64_t j = 0; j < n; ++j) {
+      for (int64_t h = 0; h < a.num_kv_heads; ++h) {
+        for (int64_t c = 0; c < d16; ++c) vv[c] = load16<T>(a.value_cache, offs[j] + h * D + c * 16);
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t hq = h * group + g;
+          const __m512 w = _mm512_set1_ps(scores[hq * kPartition + j]);
+          float* arow = acc + hq * D;
+          for (int64_t c = 0; c < d16; ++c)
+            _mm512_storeu_ps(arow + c * 16, _mm512_fmadd_ps(w, vv[c], _mm512_loadu_ps(arow + c * 16)));
+        }
+      }
+    }
+  }
+}
+
+// out_row = acc / den; a sink adds exp(sink) to the denominator only.
+template <int T>
+void normalize_row(const float* acc, float m, float den, const float* sinks, int64_t hq, int64_t head_dim,
+                   void* out, int64_t out_offset) {
+  float inv = 1.0f / den;
+  if (sinks != nullptr) {
+    const float mx = std::max(m, sinks[hq]);
+    inv = std::exp(m - mx) / (den * std::exp(m - mx) + std::exp(sinks[hq] - mx));
+  }
+  const __m512 scale = _mm512_set1_ps(inv);
+  for (int64_t d = 0; d < head_dim; d += 16) store16<T>(out, out_offset + d, _mm512_mul_ps(_mm512_loadu_ps(acc + d), scale));
+}
+
+// Element offsets in the cache of the token rows pb .. min(pb + kPartition, end); returns
+// how many.
+inline int64_t row_offsets(const DecodeArgs& a, const int32_t* table, int64_t row, int64_t pb, int64_t end,
+                           int64_t* offs) {
+  const int64_t n = std::max<int64_t>(0, std::min(pb + kPartition, end) - pb);
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t t = pb + j;
+    offs[j] = (static_cast<int64_t>(table[t / a.block_size]) * a.block_size + t % a.block_size) * row;
+  }
+  return n;
+}
+
+// Ask for the cache lines of n token rows (row_bytes each, all heads; offsets in elements
+// of elem_bytes) ahead of their use.
+inline void prefetch_rows(const void* cache, const int64_t* offs, int64_t n, int64_t elem_bytes, int64_t row_bytes) {
+  const char* base = static_cast<const char*>(cache);
+  for (int64_t j = 0; j < n; ++j) {
+    const char* p = base + offs[j] * elem_bytes;
+    for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+    _mm_prefetch(p + row_bytes - 1, _MM_HINT_T0);
+  }
+}
+
+struct Scratch {
+  std::vector<float> qf, acc, scores, stats;
+  std::vector<uint16_t> qraw;  // the bf16 query rows, for the bf16 dot path
+};
+
+template <int T, int D16>
+void decode_item(const DecodeArgs& a, int64_t item, Scratch& w) {
+  const int64_t i = item / a.num_splits, split = item % a.num_splits, D = a.head_dim, H = a.num_heads;
+  const int64_t seq_len = a.seq_lens[i];
+  const int64_t lo = a.window > 0 ? std::max<int64_t>(0, seq_len - a.window) : 0;
+  const int64_t chunk = (seq_len - lo + a.num_splits * a.block_size - 1) / (a.num_splits * a.block_size) * a.block_size;
+  const int64_t tok_lo = std::min(lo + split * chunk, seq_len), tok_hi = std::min(tok_lo + chunk, seq_len);
+  w.qf.resize(H * D);
+  w.acc.assign(H * D, 0.0f);
+  w.scores.resize(H * kPartition);
+  w.stats.resize(2 * H);
+  for (int64_t hq = 0; hq < H; ++hq) {
+    w.stats[2 * hq] = -std::numeric_limits<float>::infinity();
+    w.stats[2 * hq + 1] = 0.0f;
+  }
+  const void* qrows = w.qf.data();
+  if (uses_bf16_dot<T>(D)) {
+    w.qraw.resize(H * D);
+    for (int64_t hq = 0; hq < H; ++hq)
+      std::memcpy(w.qraw.data() + hq * D,
+                  static_cast<const uint16_t*>(a.q) + i * a.q_stride_token + hq * a.q_stride_head, D * 2);
+    qrows = w.qraw.data();
+  } else {
+    load_queries<T>(a, i, w.qf.data());
+  }
+  const int32_t* table = a.block_tables + i * a.table_stride;
+  const int64_t row = a.num_kv_heads * D;
+  int64_t offs[kPartition], next_offs[kPartition];
+  const int64_t elem_bytes = T == kF32 ? 4 : 2, row_bytes = row * elem_bytes;
+  int64_t n = row_offsets(a, table, row, tok_lo, tok_hi, offs);
+  prefetch_rows(a.key_cache, offs, n, elem_bytes, row_bytes);
+  for (int64_t pb = tok_lo; pb < tok_hi; pb += kPartition) {
+    // Blocks sit anywhere in the pool, so the hardware prefetcher sees short runs: V rows
+    // are requested while the scores are computed, the next partition's K rows while
+    // this partition's V rows are summed.
+    prefetch_rows(a.value_cache, offs, n, elem_bytes, row_bytes);
+    partition_scores<T, D16>(a, offs, n, qrows, w.scores.data());
+    for (int64_t hq = 0; hq < H; ++hq)
+      partition_softmax(w.scores.data() + hq * kPartition, n, a.softcap, &w.stats[2 * hq], &w.stats[2 * hq + 1],
+                        w.acc.data() + hq * D, D);
+    const int64_t next_n = row_offsets(a, table, row, pb + kPartition, tok_hi, next_offs);
+    prefetch_rows(a.key_cache, next_offs, next_n, elem_bytes, row_bytes);
+    partition_values<T, D16>(a, offs, n, w.scores.data(), w.acc.data());
+    std::memcpy(offs, next_offs, next_n * sizeof(int64_t));
+    n = next_n;
+  }
+  for (int64_t hq = 0; hq < H; ++hq) {
+    if (a.num_splits == 1) {
+      normalize_row<T>(w.acc.data() + hq * D, w.stats[2 * hq], w.stats[2 * hq + 1], a.sinks, hq, D, a.out,
+                       (i * H + hq) * D);
+    } else {
+      const int64_t part = (i * H + hq) * a.num_splits + split;
+      a.part_stats[2 * part] = w.stats[2 * hq];
+      a.part_stats[2 * part + 1] = w.stats[2 * hq + 1];
+      std::memcpy(a.part_acc + part * D, w.acc.data() + hq * D, D * sizeof(float));
+    }
+  }
+}
+
+// Merge the per-split (max, denominator, accumulator) of row (i, hq) into out.
+template <int T>
+void combine_row(const DecodeArgs& a, int64_t row) {
+  const int64_t D = a.head_dim, S = a.num_splits, hq = row % a.num_heads;
+  const float* stats = a.part_stats + row * S * 2;
+  float m = -std::numeric_limits<float>::infinity();
+  for (int64_t s = 0; s < S; ++s) m = std::max(m, stats[2 * s]);
+  float den = 0.0f;
+  std::vector<float> acc(D, 0.0f);
+  for (int64_t s = 0; s < S; ++s) {
+    if (stats[2 * s + 1] <= 0) continue;  // an empty split
+    const float wgt = std::exp(stats[2 * s] - m);
+    den += stats[2 * s + 1] * wgt;
+    const float* part = a.part_acc + (row * S + s) * D;
+    for (int64_t d = 0; d < D; ++d) acc[d] += part[d] * wgt;
+  }
+  normalize_row<T>(acc.data(), m, den, a.sinks, hq, D, a.out, row * D);
+}
+
+template <int T, int D16>
+void decode_all(const DecodeArgs& a, int num_threads) {
+  const int64_t items = a.num_seqs * a.num_splits;
+#pragma omp parallel num_threads(num_threads)
+  {
+    Scratch w;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < items; ++item) decode_item<T, D16>(a, item, w);
+  }
+  if (a.num_splits > 1) {
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t row = 0; row < a.num_seqs * a.num_heads; ++row) combine_row<T>(a, row);
+  }
+}
+
+template <int T>
+void decode_typed(const DecodeArgs& a, int num_threads) {
+  switch (a.head_dim) {  // the common head sizes get fully unrolled chunk loops
+    case 64: decode_all<T, 4>(a, num_threads); break;
+    case 128: decode_all<T, 8>(a, num_threads); break;
+    default: decode_all<T, 0>(a, num_threads); break;
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Version of this file's C interface; native_cpu.py refuses a library that differs.
+int kvpage_native_abi() { return 2; }
+
+// Paged decode attention (see native_cpu.decode_attention). Returns 0, or a negative code
+// for shapes this kernel does not take (the caller checks them first).
+int kvpage_decode_attention(int elem_type, const void* q, int64_t q_stride_token, int64_t q_stride_head,
+                            const void* key_cache, const void* value_cache, int64_t block_size,
+                            int64_t num_kv_heads, int64_t head_dim, int64_t num_heads, const int32_t* block_tables,
+                            int64_t table_stride, const int32_t* seq_lens, int64_t num_seqs, float scale,
+                            int64_t window, float softcap, const float* sinks, void* out, int64_t num_splits,
+                            int num_threads) {
+  if (head_dim % 16 || head_dim > 16 * kMaxChunks || num_kv_heads <= 0 || num_heads % num_kv_heads || num_splits < 1)
+    return -1;
+  std::vector<float> part_acc, part_stats;
+  if (num_splits > 1) {
+    part_acc.resize(num_seqs * num_heads * num_splits * head_dim);
+    part_stats.resize(num_seqs * num_heads * num_splits * 2);
+  }
+  DecodeArgs a{q, q_stride_token, q_stride_head, key_cache, value_cache, block_size, num_kv_heads, head_dim,
+               num_heads, block_tables, table_stride, seq_lens, num_seqs, scale, window, softcap, sinks, out,
+               num_splits, part_acc.data(), part_stats.data()};
+  switch (elem_type) {
+    case kF32: decode_typed<kF32>(a, num_threads); break;
+    case kF16: decode_typed<kF16>(a, num_threads); break;
+    case kBF16: decode_typed<kBF16>(a, num_threads); break;
+    default: return -2;
+  }
+  return 0;
+}
+
+// Scatter n new K/V rows ([n, H_kv, D] at k/v, token and head strides in elements, D
+// contiguous) into the caches' slots, then decode attention; the write is skipped when k is
+// null (a layer reading another layer's KV). Returns 0, a negative code as above, or 1 + the
+// index of the first slot outside the cache (nothing is then written or attended).
+int64_t kvpage_write_decode(int elem_type, const void* q, int64_t q_stride_token, int64_t q_stride_head,
+                            const void* k, int64_t k_stride_token, int64_t k_stride_head, const void* v,
+                            int64_t v_stride_token, int64_t v_stride_head, const int64_t* slots, int64_t num_new,
+                            void* key_cache, void* value_cache, int64_t num_blocks, int64_t block_size,
+                            int64_t num_kv_heads, int64_t head_dim, int64_t num_heads, const int32_t* block_tables,
+                            int64_t table_stride, const int32_t* seq_lens, int64_t num_seqs, float scale,
+                            int64_t window, float softcap, const float* sinks, void* out, int64_t num_splits,
+                            int num_threads) {
+  if (k != nullptr) {
+    const int64_t num_slots = num_blocks * block_size;
+    for (int64_t t = 0; t < num_new; ++t)
+      if (slots[t] < 0 || slots[t] >= num_slots) return t + 1;
+    const int64_t elem = elem_type == kF32 ? 4 : 2, row = num_kv_heads * head_dim * elem, bytes = head_dim * elem;
+    for (int64_t t = 0; t < num_new; ++t) {
+      char* kdst = static_cast<char*>(key_cache) + slots[t] * row;
+      char* vdst = static_cast<char*>(value_cache) + slots[t] * row;
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        std::memcpy(kdst + h * bytes, static_cast<const char*>(k) + (t * k_stride_token + h * k_stride_head) * elem, bytes);
+        std::memcpy(vdst + h * bytes, static_cast<const char*>(v) + (t * v_stride_token + h * v_stride_head) * elem, bytes);
+      }
+    }
+  }
+  return kvpage_decode_attention(elem_type, q, q_stride_token, q_stride_head, key_cache, value_cache, block_size,
+                                 num_kv_heads, head_dim, num_heads, block_tables, table_stride, seq_lens, num_seqs,
+                                 scale, window, softcap, sinks, out, num_splits, num_threads);
+}
+
+// cache_rows[slots[t]] = rows[t] (row_bytes each) for t < n. Every slot is checked before
+// anything is written: returns 0, or 1 + the index of the first slot outside the cache.
+int64_t kvpage_store_rows(void* cache_rows, int64_t num_slots, int64_t row_bytes, const void* rows,
+                          int64_t rows_stride_bytes, const int64_t* slots, int64_t n) {
+  for (int64_t t = 0; t < n; ++t)
+    if (slots[t] < 0 || slots[t] >= num_slots) return t + 1;
+  char* dst = static_cast<char*>(cache_rows);
+  const char* src = static_cast<const char*>(rows);
+  for (int64_t t = 0; t < n; ++t) std::memcpy(dst + slots[t] * row_bytes, src + t * rows_stride_bytes, row_bytes);
+  return 0;
+}
+
+}  // extern "C"

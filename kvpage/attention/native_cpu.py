@@ -1,0 +1,181 @@
+"""Native CPU kernels (``native_cpu.cpp``): paged decode attention and KV row stores.
+
+Built on first use with the system C++ compiler (``g++ -O3 -march=native -fopenmp``, the
+toolchain ``torch.compile`` already needs on CPU) into
+``$KVPAGE_CACHE/native/<hash>/`` (``~/.cache/kvpage``), keyed by the source, the compiler
+and the CPU's flags, so later processes load it in milliseconds; loaded with ctypes.
+Torch-free: arguments are raw addresses and sizes, so numpy arrays and torch tensors both
+work (:mod:`kvpage.attention.cpu` passes either).
+
+Why it exists (measured, see the source's header): the library links GNU OpenMP by
+soname and so shares torch's thread pool, where numba's parallel loops ran on a second
+copy of libgomp whose pool fought torch's for the cores at every layer; and one ctypes
+call replaces a numba dispatch of about twenty arguments.
+
+:func:`library` returns None, and the callers keep the numba kernels, when the CPU lacks
+AVX-512F, no compiler is found, the build fails (logged once), or
+``KVPAGE_NATIVE_KERNELS=0``.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+log = logging.getLogger("kvpage")
+
+SOURCE = Path(__file__).with_name("native_cpu.cpp")
+ABI_VERSION = 2
+#: Element types the kernels take, by numpy/torch dtype name (the C ``elem_type`` codes).
+ELEM_TYPES = {"float32": 0, "float16": 1, "bfloat16": 2}
+#: Largest head size the decode kernel takes (16 chunks of 16 floats), and its multiple.
+MAX_HEAD_DIM, HEAD_DIM_MULTIPLE = 256, 16
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "-fno-math-errno"]
+
+_p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def _compiler() -> Optional[str]:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+
+
+def _build(compiler: str) -> Path:
+    """Compile the source (once per source/compiler/CPU) and return the library's path."""
+    from kvpage.model_registry import cache_root
+
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, " ".join(_FLAGS), _cpu_flags()]).encode())
+    target = cache_root() / "native" / key.hexdigest()[:16] / "kvpage_native.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        proc = subprocess.run([compiler, *_FLAGS, str(SOURCE), "-o", str(built)], capture_output=True, text=True,
+                              timeout=600)
+        if proc.returncode != 0:
+            raise RuntimeError(proc.stderr.strip()[-2000:] or f"{compiler} exited with {proc.returncode}")
+        os.replace(built, target)  # atomic: concurrent builders leave one complete file
+    log.info("built kvpage's native CPU kernels: %s", target)
+    return target
+
+
+def _cpu_has_avx512f() -> bool:
+    return " avx512f" in _cpu_flags()
+
+
+@functools.lru_cache(maxsize=None)
+def library() -> Optional[ctypes.CDLL]:
+    """The loaded kernels, or None where they are unavailable (see the module docstring)."""
+    if os.environ.get("KVPAGE_NATIVE_KERNELS", "1") == "0" or not _cpu_has_avx512f():
+        return None
+    compiler = _compiler()
+    if compiler is None:
+        log.info("no C++ compiler found: CPU attention stays on the numba kernels")
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as err:
+        log.warning("kvpage's native CPU kernels did not build (%s); CPU attention stays on the numba kernels",
+                    str(err).splitlines()[-1] if str(err) else type(err).__name__)
+        return None
+    if lib.kvpage_native_abi() != ABI_VERSION:
+        log.warning("stale native CPU kernel library (ABI %d, expected %d); using numba", lib.kvpage_native_abi(),
+                    ABI_VERSION)
+        return None
+    lib.kvpage_decode_attention.restype = _i32
+    lib.kvpage_decode_attention.argtypes = [_i32, _p, _i64, _i64, _p, _p, _i64, _i64, _i64, _i64, _p, _i64, _p, _i64,
+                                            _f32, _i64, _f32, _p, _p, _i64, _i32]
+    lib.kvpage_write_decode.restype = _i64
+    lib.kvpage_write_decode.argtypes = [_i32, _p, _i64, _i64, _p, _i64, _i64, _p, _i64, _i64, _p, _i64, _p, _p, _i64,
+                                        _i64, _i64, _i64, _i64, _p, _i64, _p, _i64, _f32, _i64, _f32, _p, _p, _i64,
+                                        _i32]
+    lib.kvpage_store_rows.restype = _i64
+    lib.kvpage_store_rows.argtypes = [_p, _i64, _i64, _p, _i64, _p, _i64]
+    return lib
+
+
+def decode_supported(head_dim: int, num_heads: int, num_kv_heads: int, dtype_name: str) -> bool:
+    """Whether :func:`decode_attention` takes these shapes and this element type."""
+    return (dtype_name in ELEM_TYPES and head_dim % HEAD_DIM_MULTIPLE == 0 and 0 < head_dim <= MAX_HEAD_DIM
+            and num_kv_heads > 0 and num_heads % num_kv_heads == 0)
+
+
+def decode_attention(lib: ctypes.CDLL, dtype_name: str, q_ptr: int, q_strides: tuple, key_ptr: int, value_ptr: int,
+                     cache_shape: tuple, num_heads: int, tables: np.ndarray, seq_lens: np.ndarray, num_seqs: int,
+                     scale: float, window: int, softcap: float, sinks: Optional[np.ndarray], out_ptr: int,
+                     num_splits: int, num_threads: int) -> None:
+    """Decode attention of ``num_seqs`` query rows (one per sequence, its last context token).
+
+    ``q`` (at ``q_ptr``, strides ``(token, head)`` in elements, head_dim contiguous), the
+    caches (``cache_shape`` = ``[num_blocks, block_size, H_kv, D]``, contiguous) and the
+    output (``[num_seqs, num_heads, D]``, contiguous) all hold ``dtype_name`` elements.
+    ``tables`` int32 ``[>= num_seqs, max_blocks]`` C-contiguous rows, ``seq_lens`` int32;
+    ``sinks`` float32 ``[num_heads]`` or None. The caller keeps every array alive and
+    checks :func:`decode_supported` first.
+    """
+    _, block_size, num_kv_heads, head_dim = cache_shape
+    code = lib.kvpage_decode_attention(
+        ELEM_TYPES[dtype_name], q_ptr, q_strides[0], q_strides[1], key_ptr, value_ptr, block_size, num_kv_heads,
+        head_dim, num_heads, tables.ctypes.data, tables.strides[0] // 4, seq_lens.ctypes.data, num_seqs, scale,
+        window, softcap, None if sinks is None else sinks.ctypes.data, out_ptr, num_splits, num_threads)
+    if code != 0:
+        raise ValueError(f"native decode attention refused head_dim {head_dim} with {num_heads} query and "
+                         f"{num_kv_heads} KV heads (code {code})")
+
+
+def write_decode(lib: ctypes.CDLL, dtype_name: str, q: tuple, k: Optional[tuple], v: Optional[tuple], slots_ptr: int,
+                 num_new: int, key_ptr: int, value_ptr: int, cache_shape: tuple, num_heads: int, step: tuple,
+                 scale: float, window: int, softcap: float, sinks_ptr: Optional[int], out_ptr: int,
+                 num_threads: int) -> None:
+    """Write ``num_new`` K/V rows to their slots, then :func:`decode_attention`, in one call.
+
+    ``q``, ``k``, ``v`` are ``(address, token stride, head stride)`` in elements (head_dim
+    contiguous); ``k`` None skips the write (a layer reading another layer's KV).
+    ``slots_ptr`` addresses ``num_new`` int64 slots; ``step`` is ``(tables address, table
+    row stride, seq_lens address, num_seqs, num_splits)``. Raises ``IndexError`` (nothing
+    written or attended) for a slot outside the cache.
+    """
+    num_blocks, block_size, num_kv_heads, head_dim = cache_shape
+    tables_ptr, table_stride, lens_ptr, num_seqs, num_splits = step
+    k, v = k or (None, 0, 0), v or (None, 0, 0)
+    code = lib.kvpage_write_decode(ELEM_TYPES[dtype_name], *q, *k, *v, slots_ptr, num_new, key_ptr, value_ptr,
+                                   num_blocks, block_size, num_kv_heads, head_dim, num_heads, tables_ptr, table_stride,
+                                   lens_ptr, num_seqs, scale, window, softcap, sinks_ptr, out_ptr, num_splits,
+                                   num_threads)
+    if code > 0:
+        slot = ctypes.cast(slots_ptr, ctypes.POINTER(ctypes.c_int64))[code - 1]
+        raise IndexError(f"KV slot {slot} outside the cache ({num_blocks * block_size} slots)")
+    if code < 0:
+        raise ValueError(f"native decode attention refused head_dim {head_dim} with {num_heads} query and "
+                         f"{num_kv_heads} KV heads (code {code})")
+
+
+def store_rows(lib: ctypes.CDLL, cache_ptr: int, num_slots: int, row_bytes: int, rows_ptr: int, rows_stride: int,
+               slots: np.ndarray) -> None:
+    """``cache[slots[t]] = rows[t]`` (``row_bytes`` each; ``rows_stride`` bytes apart) for every
+    slot of the int64 C-contiguous ``slots``; raises ``IndexError`` before writing anything
+    when a slot is outside ``[0, num_slots)``."""
+    bad = lib.kvpage_store_rows(cache_ptr, num_slots, row_bytes, rows_ptr, rows_stride, slots.ctypes.data,
+                                slots.shape[0])
+    if bad:
+        raise IndexError(f"KV slot {int(slots[bad - 1])} outside the cache ({num_slots} slots)")
