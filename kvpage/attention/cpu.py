@@ -234,7 +234,8 @@ def write_and_attend_cpu(q, k, v, key_cache, value_cache, scaling: float, slidin
             ks, vs = k.stride(), v.stride()
             rows = ((k.data_ptr(), ks[0], ks[1]), (v.data_ptr(), vs[0], vs[1]), metadata.slot_mapping.ctypes.data)
         native_cpu.write_decode(
-            native_cpu.library(), _DTYPE_NAMES[q.dtype], (q.data_ptr(), qs[0], qs[1]), *rows, q.shape[0], key_cache.data_ptr(), value_cache.data_ptr(),
+            native_cpu.library(), _DTYPE_NAMES[q.dtype], (q.data_ptr(), qs[0], qs[1]), *rows, q.shape[0],
+            key_cache.data_ptr(), value_cache.data_ptr(),
             tuple(key_cache.shape), q.shape[1], metadata.native_step(num_threads, key_cache.shape[1]), scaling,
             int(sliding_window or 0), float(softcap or 0.0), None if sinks_np is None else sinks_np.ctypes.data,
             result.data_ptr(), num_threads)
@@ -432,7 +433,8 @@ def _store_native(key_cache, value_cache, k, v, slot_mapping) -> bool:
         rows = rows.to(cache.dtype)
         row_elems = cache.shape[2] * cache.shape[3]
         if rows.shape[1:] != cache.shape[2:]:
-            raise ValueError(f"K/V rows of shape {tuple(rows.shape[1:])} do not fit cache rows {tuple(cache.shape[2:])}")
+            raise ValueError(f"K/V rows of shape {tuple(rows.shape[1:])} do not fit cache rows "
+                             f"{tuple(cache.shape[2:])}")
         if rows.stride(2) != 1 or rows.stride(1) != cache.shape[3]:
             rows = rows.contiguous()
         native_cpu.store_rows(lib, cache.data_ptr(), num_slots, row_elems * cache.element_size(), rows.data_ptr(),

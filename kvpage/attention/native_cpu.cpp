@@ -293,7 +293,8 @@ void normalize_row(const float* acc, float m, float den, const float* sinks, int
     inv = std::exp(m - mx) / (den * std::exp(m - mx) + std::exp(sinks[hq] - mx));
   }
   const __m512 scale = _mm512_set1_ps(inv);
-  for (int64_t d = 0; d < head_dim; d += 16) store16<T>(out, out_offset + d, _mm512_mul_ps(_mm512_loadu_ps(acc + d), scale));
+  for (int64_t d = 0; d < head_dim; d += 16)
+    store16<T>(out, out_offset + d, _mm512_mul_ps(_mm512_loadu_ps(acc + d), scale));
 }
 
 // Element offsets in the cache of the token rows pb .. min(pb + kPartition, end); returns
@@ -481,8 +482,10 @@ int64_t kvpage_write_decode(int elem_type, const void* q, int64_t q_stride_token
       char* kdst = static_cast<char*>(key_cache) + slots[t] * row;
       char* vdst = static_cast<char*>(value_cache) + slots[t] * row;
       for (int64_t h = 0; h < num_kv_heads; ++h) {
-        std::memcpy(kdst + h * bytes, static_cast<const char*>(k) + (t * k_stride_token + h * k_stride_head) * elem, bytes);
-        std::memcpy(vdst + h * bytes, static_cast<const char*>(v) + (t * v_stride_token + h * v_stride_head) * elem, bytes);
+        const char* ksrc = static_cast<const char*>(k) + (t * k_stride_token + h * k_stride_head) * elem;
+        const char* vsrc = static_cast<const char*>(v) + (t * v_stride_token + h * v_stride_head) * elem;
+        std::memcpy(kdst + h * bytes, ksrc, bytes);
+        std::memcpy(vdst + h * bytes, vsrc, bytes);
       }
     }
   }
