@@ -35,7 +35,7 @@ OPTIONS = {
     "sinks": {"sinks": "random"},
 }
 # (decode_backend, prefill_backend) of the dispatcher on torch tensors; None = defaults.
-TORCH_BACKENDS = [("numba", "numba"), ("torch", "torch"), ("native", "torch"), None]
+TORCH_BACKENDS = [("numba", "numba"), ("torch", "torch"), ("native", "torch"), ("native", "native"), None]
 
 
 def make_case(rng, q_lens, seq_lens, heads=8, kv_heads=4, head_dim=32, garbage=1e3):

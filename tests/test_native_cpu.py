@@ -187,3 +187,43 @@ print(before == loaded_openmp_runtimes(), len(before))
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["True", "1"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 1, 128), (4, 4, 80), (14, 2, 32)],
+                         ids=["gqa3-64", "mqa-128", "mha-80", "group7-32"])
+@pytest.mark.parametrize("option", ["plain", "window", "softcap", "sinks"])
+def test_prefill_matches_reference(dtype, heads, kv_heads, head_dim, option):
+    """Whole prompts, chunks over a cached prefix, a prefix hit with one new token, an empty
+    query and decode rows before them (left to the decode kernel: the prefill call must not
+    touch their output rows); every slot outside a context is NaN."""
+    g = torch.Generator().manual_seed(heads + head_dim)
+    seq_lens = [9, 30, 7, 16, 33, 41, 70, 5]
+    q_lens = [1, 1, 7, 16, 33, 9, 37, 0]  # two decodes, then prefills of every kind
+    _, kc, vc, lens, tables = decode_case(g, seq_lens, heads, kv_heads, head_dim, dtype)
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    q = torch.randn(int(qsl[-1]), heads, head_dim, generator=g).to(dtype)
+    opts = {"window": {"sliding_window": 11}, "softcap": {"softcap": 3.0},
+            "sinks": {"sinks": torch.randn(heads, generator=g).numpy()}}.get(option, {})
+    out = torch.full_like(q, 5.0)
+    native_cpu.prefill_attention(native_cpu.library(), str(dtype).split(".")[1], q.data_ptr(), q.stride()[:2],
+                                 kc.data_ptr(), vc.data_ptr(), tuple(kc.shape), heads, tables, qsl, lens, 2, 0.125,
+                                 opts.get("sliding_window", 0), opts.get("softcap", 0.0), opts.get("sinks"),
+                                 out.data_ptr(), 2)
+    assert bool((out[:2] == 5.0).all())
+    want = paged_attention_reference(q.float().numpy(), kc.float().numpy(), vc.float().numpy(), qsl, lens, tables,
+                                      0.125, **opts)
+    atol, rtol = TOL[dtype]
+    np.testing.assert_allclose(out[2:].float().numpy(), want[2:], atol=atol, rtol=rtol)
+
+
+def test_prefill_refuses_blocks_larger_than_its_tile():
+    assert not native_cpu.prefill_supported(64, 8, 2, "float32", 32)
+    assert native_cpu.prefill_supported(64, 8, 2, "float32", 16)
+    q = torch.zeros(3, 2, 32)
+    kc = torch.zeros(2, 32, 1, 32)
+    with pytest.raises(ValueError, match="block size 32"):
+        native_cpu.prefill_attention(native_cpu.library(), "float32", q.data_ptr(), q.stride()[:2], kc.data_ptr(),
+                                     kc.data_ptr(), tuple(kc.shape), 2, np.zeros((1, 1), np.int32),
+                                     np.array([0, 3], np.int32), np.array([3], np.int32), 0, 1.0, 0, 0.0, None,
+                                     q.data_ptr(), 1)

@@ -44,8 +44,9 @@ from typing import Any, Optional
 
 import numpy as np
 
-#: Backend for non-decode sequences ("numba" or "torch"); see the module docstring.
-PREFILL_BACKEND = "torch"
+#: Backend for non-decode sequences of torch inputs: "native" (the C++ kernel; torch
+#: where it is unavailable or unfit), "numba" or "torch"; see the module docstring.
+PREFILL_BACKEND = "native"
 #: Backend for the leading query-length-1 sequences of torch inputs: "native" (the C++
 #: kernel of :mod:`kvpage.attention.native_cpu`; numba where it is unavailable or unfit),
 #: "numba" or "torch".
@@ -282,10 +283,15 @@ def _dispatch_torch(q, key_cache, value_cache, md, scaling, sliding_window, soft
     from . import torch_cpu
 
     nd, num_seqs = md.num_decodes, md.seq_lens.shape[0]
-    if decode_backend == "native":
-        if nd and prefill_backend == "torch" and _native_decodable(q, key_cache):
-            return _native_decode(q, key_cache, value_cache, md, scaling, sliding_window, softcap, sinks)
-        decode_backend = "numba"
+    if "native" in (decode_backend, prefill_backend) and (not nd or decode_backend == "native") \
+            and prefill_backend != "numba" and _native_decodable(q, key_cache):
+        from .native_cpu import MAX_PREFILL_BLOCK_SIZE
+
+        prefill_native = prefill_backend == "native" and key_cache.shape[1] <= MAX_PREFILL_BLOCK_SIZE
+        return _native_attention(q, key_cache, value_cache, md, scaling, sliding_window, softcap, sinks,
+                                 prefill_native)
+    decode_backend = "numba" if decode_backend == "native" else decode_backend
+    prefill_backend = "torch" if prefill_backend == "native" else prefill_backend
     use_numba = (nd and decode_backend == "numba") or (nd < num_seqs and prefill_backend == "numba")
     if not use_numba:
         return torch_cpu.paged_attention_torch(q, key_cache, value_cache, md.torch_index("query_start_loc"),
@@ -320,8 +326,9 @@ def _native_decodable(q, key_cache) -> bool:
             and native_cpu.decode_supported(q.shape[2], q.shape[1], key_cache.shape[2], name))
 
 
-def _native_decode(q, key_cache, value_cache, md, scaling, sliding_window, softcap, sinks):
-    """Decode rows through the native kernel, straight into the output; prefill rows by torch."""
+def _native_attention(q, key_cache, value_cache, md, scaling, sliding_window, softcap, sinks, prefill_native: bool):
+    """Decode rows through the native kernel, straight into the output; prefill rows through
+    the native prefill kernel (``prefill_native``) or torch."""
     import torch
 
     from . import native_cpu
@@ -329,17 +336,24 @@ def _native_decode(q, key_cache, value_cache, md, scaling, sliding_window, softc
     if q.stride(-1) != 1:
         q = q.contiguous()
     if not key_cache.is_contiguous() or not value_cache.is_contiguous():
-        raise ValueError("the native decode kernel needs contiguous CPU caches")
+        raise ValueError("the native attention kernels need contiguous CPU caches")
     result = torch.empty(q.shape, dtype=q.dtype)
-    num_threads = torch.get_num_threads()
+    lib, name, num_threads = native_cpu.library(), _dtype_name(q.dtype), torch.get_num_threads()
     sinks_np = None if sinks is None else _to_numpy(torch.as_tensor(sinks).float(), np.float32)
-    native_cpu.decode_attention(native_cpu.library(), str(q.dtype).removeprefix("torch."), q.data_ptr(),
-                                q.stride()[:2], key_cache.data_ptr(), value_cache.data_ptr(), tuple(key_cache.shape),
-                                q.shape[1], md.block_tables, md.seq_lens, md.num_decodes, scaling,
-                                int(sliding_window or 0), float(softcap or 0.0), sinks_np, result.data_ptr(),
-                                md.decode_splits(num_threads, key_cache.shape[1]), num_threads)
+    window, cap = int(sliding_window or 0), float(softcap or 0.0)
+    if md.num_decodes:
+        native_cpu.decode_attention(lib, name, q.data_ptr(), q.stride()[:2], key_cache.data_ptr(),
+                                    value_cache.data_ptr(), tuple(key_cache.shape), q.shape[1], md.block_tables,
+                                    md.seq_lens, md.num_decodes, scaling, window, cap, sinks_np, result.data_ptr(),
+                                    md.decode_splits(num_threads, key_cache.shape[1]), num_threads)
     if md.num_decodes < md.seq_lens.shape[0]:
-        _torch_prefill_into(result, q, key_cache, value_cache, md, scaling, sliding_window, softcap, sinks)
+        if prefill_native:
+            native_cpu.prefill_attention(lib, name, q.data_ptr(), q.stride()[:2], key_cache.data_ptr(),
+                                         value_cache.data_ptr(), tuple(key_cache.shape), q.shape[1], md.block_tables,
+                                         md.query_start_loc, md.seq_lens, md.num_decodes, scaling, window, cap,
+                                         sinks_np, result.data_ptr(), num_threads)
+        else:
+            _torch_prefill_into(result, q, key_cache, value_cache, md, scaling, sliding_window, softcap, sinks)
     return result
 
 

@@ -147,8 +147,9 @@ constexpr bool kHaveBf16Dot = false;
 // fp32), `qrow` holds the unscaled bf16 query and the sums are scaled here; otherwise
 // `qrow` is the scaled fp32 query and K is widened to fp32.
 template <int T, int D16, bool kDot>
-inline void dot16(const DecodeArgs& a, const void* qrow, const int64_t* offs, int64_t n, float* out16) {
-  const int64_t d16 = D16 ? D16 : a.head_dim / 16;
+inline void dot16(const void* key_cache, int64_t head_dim, float scale, const void* qrow, const int64_t* offs,
+                  int64_t n, float* out16) {
+  const int64_t d16 = D16 ? D16 : head_dim / 16;
   __m512 acc[16];
   for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
   if constexpr (kDot) {
@@ -159,19 +160,29 @@ inline void dot16(const DecodeArgs& a, const void* qrow, const int64_t* offs, in
     __m512i qv[kMaxChunks / 2];
     for (int64_t c = 0; c < d32; ++c) qv[c] = _mm512_loadu_si512(qb + c * 32);
     for (int64_t j = 0; j < n; ++j) {
-      const uint16_t* kr = static_cast<const uint16_t*>(a.key_cache) + offs[j];
+      const uint16_t* kr = static_cast<const uint16_t*>(key_cache) + offs[j];
       for (int64_t c = 0; c < d32; ++c)
         acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)qv[c], (__m512bh)_mm512_loadu_si512(kr + c * 32));
     }
-    _mm512_storeu_ps(out16, _mm512_mul_ps(reduce16(acc), _mm512_set1_ps(a.scale)));
+    _mm512_storeu_ps(out16, _mm512_mul_ps(reduce16(acc), _mm512_set1_ps(scale)));
 #endif
   } else {
     const float* qf = static_cast<const float*>(qrow);
     for (int64_t j = 0; j < n; ++j)
       for (int64_t c = 0; c < d16; ++c)
-        acc[j] = _mm512_fmadd_ps(_mm512_loadu_ps(qf + c * 16), load16<T>(a.key_cache, offs[j] + c * 16), acc[j]);
+        acc[j] = _mm512_fmadd_ps(_mm512_loadu_ps(qf + c * 16), load16<T>(key_cache, offs[j] + c * 16), acc[j]);
     _mm512_storeu_ps(out16, reduce16(acc));
   }
+}
+
+// dot16 on the bf16-dot path when `raw` (the caller's query rows are raw bf16), else widened.
+template <int T, int D16>
+inline void scores16(const void* key_cache, int64_t head_dim, float scale, bool raw, const void* qrow,
+                     const int64_t* offs, int64_t n, float* out16) {
+  if constexpr (T == kBF16 && kHaveBf16Dot) {
+    if (raw) return dot16<T, D16, true>(key_cache, head_dim, scale, qrow, offs, n, out16);
+  }
+  dot16<T, D16, false>(key_cache, head_dim, scale, qrow, offs, n, out16);
 }
 
 template <int T>
@@ -194,12 +205,7 @@ void partition_scores(const DecodeArgs& a, const int64_t* offs, int64_t n, const
                              : static_cast<const void*>(static_cast<const float*>(qrows) + hq * D);
       for (int64_t j0 = 0; j0 < n; j0 += 16) {
         const int64_t m = std::min<int64_t>(16, n - j0);
-        if constexpr (T == kBF16 && kHaveBf16Dot) {
-          if (raw) dot16<T, D16, true>(a, qrow, head_offs + j0, m, tmp);
-          else dot16<T, D16, false>(a, qrow, head_offs + j0, m, tmp);
-        } else {
-          dot16<T, D16, false>(a, qrow, head_offs + j0, m, tmp);
-        }
+        scores16<T, D16>(a.key_cache, D, a.scale, raw, qrow, head_offs + j0, m, tmp);
         std::memcpy(scores + hq * kPartition + j0, tmp, m * sizeof(float));
       }
     }
@@ -427,12 +433,158 @@ void decode_typed(const DecodeArgs& a, int num_threads) {
   }
 }
 
+
+// ---- Prefill and chunked prefill: queries at the end of their sequence's context -------
+//
+// Work item = (sequence, KV head, tile of kQueryTile query rows); its rows are the tile's
+// tokens times the KV head's `group` query heads, all attending the same K/V rows. The
+// item walks its visible KV blocks once (causal: none past the tile's last token; sliding
+// window: none before the first token's window): per block, each row's 16 scores come from
+// dot16 in one vector, then a masked streaming-softmax step and the weighted V rows (V
+// widened to fp32 once per block, not once per row).
+
+constexpr int64_t kQueryTile = 16;
+
+struct PrefillArgs {
+  const void* q;
+  int64_t q_stride_token, q_stride_head;
+  const void* key_cache;
+  const void* value_cache;
+  int64_t block_size, num_kv_heads, head_dim, num_heads;
+  const int32_t* block_tables;
+  int64_t table_stride;
+  const int32_t* query_start_loc;
+  const int32_t* seq_lens;
+  float scale;
+  int64_t window;
+  float softcap;
+  const float* sinks;
+  void* out;  // [T, num_heads, head_dim], q's element type, contiguous
+};
+
+struct PrefillItem {
+  int64_t seq, head, row0, rows;
+};
+
+template <int T, int D16>
+void prefill_item(const PrefillArgs& a, const PrefillItem& it, std::vector<float>& scratch,
+                  std::vector<uint16_t>& qraw) {
+  const int64_t D = a.head_dim, d16 = D16 ? D16 : D / 16, group = a.num_heads / a.num_kv_heads;
+  const int64_t q0 = a.query_start_loc[it.seq], q_len = a.query_start_loc[it.seq + 1] - q0;
+  const int64_t seq_len = a.seq_lens[it.seq], first_pos = seq_len - q_len;
+  const int64_t tile = it.rows, rows = tile * group;
+  const bool raw = uses_bf16_dot<T>(D);
+  // scratch: fp32 queries [rows][D] | accumulators [rows][D] | V block [block_size][D] | scores [16]
+  scratch.resize(rows * D * 2 + a.block_size * D + 16 + 2 * rows);
+  float* qf = scratch.data();
+  float* acc = qf + rows * D;
+  float* vblock = acc + rows * D;
+  float* probs = vblock + a.block_size * D;
+  float* stats = probs + 16;  // (max, denominator) per row
+  if (raw) qraw.resize(rows * D);
+  const __m512 scale = _mm512_set1_ps(a.scale);
+  for (int64_t r = 0; r < tile; ++r) {
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t m = r * group + g, hq = it.head * group + g;
+      const int64_t src = (q0 + it.row0 + r) * a.q_stride_token + hq * a.q_stride_head;
+      if (raw) {
+        std::memcpy(qraw.data() + m * D, static_cast<const uint16_t*>(a.q) + src, D * 2);
+      } else {
+        for (int64_t c = 0; c < d16; ++c)
+          _mm512_storeu_ps(qf + m * D + c * 16, _mm512_mul_ps(load16<T>(a.q, src + c * 16), scale));
+      }
+      std::memset(acc + m * D, 0, D * sizeof(float));
+      stats[2 * m] = -std::numeric_limits<float>::infinity();
+      stats[2 * m + 1] = 0.0f;
+    }
+  }
+  const int64_t lo_pos = first_pos + it.row0, hi_pos = lo_pos + tile - 1;  // the tile's token positions
+  const int64_t k_lo = a.window > 0 ? std::max<int64_t>(0, lo_pos - a.window + 1) : 0;
+  const int32_t* table = a.block_tables + it.seq * a.table_stride;
+  const int64_t row = a.num_kv_heads * D;
+  int64_t offs[16];
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  for (int64_t b = k_lo / a.block_size; b * a.block_size <= hi_pos; ++b) {
+    const int64_t base = b * a.block_size, n = std::min(a.block_size, seq_len - base);
+    const int64_t block_row = static_cast<int64_t>(table[b]) * a.block_size * row + it.head * D;
+    for (int64_t j = 0; j < n; ++j) offs[j] = block_row + j * row;
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t c = 0; c < d16; ++c)
+        _mm512_storeu_ps(vblock + j * D + c * 16, load16<T>(a.value_cache, offs[j] + c * 16));
+    for (int64_t r = 0; r < tile; ++r) {
+      const int64_t pos = lo_pos + r;
+      // Visible keys of this row within the block: base + j <= pos, base + j > pos - window.
+      const int64_t last = std::min<int64_t>(n - 1, pos - base);
+      if (last < 0) continue;
+      const int64_t first = a.window > 0 ? std::max<int64_t>(0, pos - a.window + 1 - base) : 0;
+      if (first > last) continue;
+      const __mmask16 visible =
+          _mm512_cmp_epi32_mask(lane, _mm512_set1_epi32(static_cast<int>(first)), _MM_CMPINT_NLT) &
+          _mm512_cmp_epi32_mask(lane, _mm512_set1_epi32(static_cast<int>(last)), _MM_CMPINT_LE);
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t m = r * group + g;
+        const void* qrow = raw ? static_cast<const void*>(qraw.data() + m * D) : static_cast<const void*>(qf + m * D);
+        scores16<T, D16>(a.key_cache, D, a.scale, raw, qrow, offs, n, probs);
+        __m512 s = _mm512_loadu_ps(probs);
+        if (a.softcap > 0) {
+          alignas(64) float tmp[16];
+          _mm512_store_ps(tmp, s);
+          for (int j = 0; j < 16; ++j) tmp[j] = a.softcap * std::tanh(tmp[j] / a.softcap);
+          s = _mm512_load_ps(tmp);
+        }
+        s = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), visible, s);
+        const float m_old = stats[2 * m], m_new = std::max(m_old, _mm512_reduce_max_ps(s));
+        const __m512 p = _mm512_maskz_mov_ps(visible, exp_nonpositive(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
+        const float alpha = exp_nonpositive_scalar(m_old - m_new);
+        stats[2 * m] = m_new;
+        stats[2 * m + 1] = stats[2 * m + 1] * alpha + _mm512_reduce_add_ps(p);
+        _mm512_storeu_ps(probs, p);
+        float* arow = acc + m * D;
+        const __m512 al = _mm512_set1_ps(alpha);
+        __m512 o[kMaxChunks];
+        for (int64_t c = 0; c < d16; ++c) o[c] = _mm512_mul_ps(_mm512_loadu_ps(arow + c * 16), al);
+        for (int64_t j = first; j <= last; ++j) {
+          const __m512 w = _mm512_set1_ps(probs[j]);
+          for (int64_t c = 0; c < d16; ++c) o[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(vblock + j * D + c * 16), o[c]);
+        }
+        for (int64_t c = 0; c < d16; ++c) _mm512_storeu_ps(arow + c * 16, o[c]);
+      }
+    }
+  }
+  for (int64_t r = 0; r < tile; ++r)
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t m = r * group + g, hq = it.head * group + g;
+      normalize_row<T>(acc + m * D, stats[2 * m], stats[2 * m + 1], a.sinks, hq, D, a.out,
+                       ((q0 + it.row0 + r) * a.num_heads + hq) * D);
+    }
+}
+
+template <int T, int D16>
+void prefill_all(const PrefillArgs& a, const std::vector<PrefillItem>& items, int num_threads) {
+#pragma omp parallel num_threads(num_threads)
+  {
+    std::vector<float> scratch;
+    std::vector<uint16_t> qraw;
+#pragma omp for schedule(dynamic, 1)
+    for (size_t k = 0; k < items.size(); ++k) prefill_item<T, D16>(a, items[k], scratch, qraw);
+  }
+}
+
+template <int T>
+void prefill_typed(const PrefillArgs& a, const std::vector<PrefillItem>& items, int num_threads) {
+  switch (a.head_dim) {
+    case 64: prefill_all<T, 4>(a, items, num_threads); break;
+    case 128: prefill_all<T, 8>(a, items, num_threads); break;
+    default: prefill_all<T, 0>(a, items, num_threads); break;
+  }
+}
+
 }  // namespace
 
 extern "C" {
 
 // Version of this file's C interface; native_cpu.py refuses a library that differs.
-int kvpage_native_abi() { return 2; }
+int kvpage_native_abi() { return 3; }
 
 // Paged decode attention (see native_cpu.decode_attention). Returns 0, or a negative code
 // for shapes this kernel does not take (the caller checks them first).
@@ -492,6 +644,37 @@ int64_t kvpage_write_decode(int elem_type, const void* q, int64_t q_stride_token
   return kvpage_decode_attention(elem_type, q, q_stride_token, q_stride_head, key_cache, value_cache, block_size,
                                  num_kv_heads, head_dim, num_heads, block_tables, table_stride, seq_lens, num_seqs,
                                  scale, window, softcap, sinks, out, num_splits, num_threads);
+}
+
+// Attention of the query rows of sequences first_seq .. num_seqs - 1 (each the last q_len
+// positions of its context, causal, optional sliding window / softcap / sinks) into the
+// same rows of out; rows of earlier sequences are left alone. Returns 0 or a negative code.
+int kvpage_prefill_attention(int elem_type, const void* q, int64_t q_stride_token, int64_t q_stride_head,
+                             const void* key_cache, const void* value_cache, int64_t block_size,
+                             int64_t num_kv_heads, int64_t head_dim, int64_t num_heads, const int32_t* block_tables,
+                             int64_t table_stride, const int32_t* query_start_loc, const int32_t* seq_lens,
+                             int64_t first_seq, int64_t num_seqs, float scale, int64_t window, float softcap,
+                             const float* sinks, void* out, int num_threads) {
+  if (head_dim % 16 || head_dim > 16 * kMaxChunks || num_kv_heads <= 0 || num_heads % num_kv_heads ||
+      block_size > 16 || block_size <= 0)
+    return -1;
+  std::vector<PrefillItem> items;
+  for (int64_t i = first_seq; i < num_seqs; ++i) {
+    const int64_t q_len = query_start_loc[i + 1] - query_start_loc[i];
+    if (q_len > seq_lens[i]) return -3;
+    for (int64_t end = q_len; end > 0; end -= kQueryTile)  // the last rows (most keys) first
+      for (int64_t h = 0; h < num_kv_heads; ++h)
+        items.push_back({i, h, std::max<int64_t>(end - kQueryTile, 0), std::min(kQueryTile, end)});
+  }
+  PrefillArgs a{q, q_stride_token, q_stride_head, key_cache, value_cache, block_size, num_kv_heads, head_dim,
+                num_heads, block_tables, table_stride, query_start_loc, seq_lens, scale, window, softcap, sinks, out};
+  switch (elem_type) {
+    case kF32: prefill_typed<kF32>(a, items, num_threads); break;
+    case kF16: prefill_typed<kF16>(a, items, num_threads); break;
+    case kBF16: prefill_typed<kBF16>(a, items, num_threads); break;
+    default: return -2;
+  }
+  return 0;
 }
 
 // cache_rows[slots[t]] = rows[t] (row_bytes each) for t < n. Every slot is checked before
