@@ -23,12 +23,12 @@ BS = 16
 TOL = {torch.float32: (3e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (2e-2, 1.6e-2)}
 
 
-def decode_case(g, seq_lens, heads, kv_heads, head_dim, dtype, spare_blocks=3):
+def decode_case(g, seq_lens, heads, kv_heads, head_dim, dtype, spare_blocks=3, block_size=BS):
     """Caches with each sequence's blocks shuffled over the pool; block 0 (table padding)
     and every slot past a context hold NaN, so reading one shows in the output."""
-    blocks = [-(-s // BS) for s in seq_lens]
+    blocks = [-(-s // block_size) for s in seq_lens]
     num_blocks = 1 + sum(blocks) + spare_blocks
-    kc = torch.full((num_blocks, BS, kv_heads, head_dim), float("nan"))
+    kc = torch.full((num_blocks, block_size, kv_heads, head_dim), float("nan"))
     vc = torch.full_like(kc, float("nan"))
     ids = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
     tables = np.zeros((len(seq_lens), max(blocks) + 1), np.int32)
@@ -36,8 +36,8 @@ def decode_case(g, seq_lens, heads, kv_heads, head_dim, dtype, spare_blocks=3):
         tables[i, :n] = ids[:n]
         ids = ids[n:]
         for t in range(s):
-            kc[tables[i, t // BS], t % BS] = torch.randn(kv_heads, head_dim, generator=g)
-            vc[tables[i, t // BS], t % BS] = torch.randn(kv_heads, head_dim, generator=g)
+            kc[tables[i, t // block_size], t % block_size] = torch.randn(kv_heads, head_dim, generator=g)
+            vc[tables[i, t // block_size], t % block_size] = torch.randn(kv_heads, head_dim, generator=g)
     q = torch.randn(len(seq_lens), heads, head_dim, generator=g)
     return q.to(dtype), kc.to(dtype), vc.to(dtype), np.asarray(seq_lens, np.int32), tables
 
@@ -193,14 +193,16 @@ print(before == loaded_openmp_runtimes(), len(before))
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 1, 128), (4, 4, 80), (14, 2, 32)],
                          ids=["gqa3-64", "mqa-128", "mha-80", "group7-32"])
 @pytest.mark.parametrize("option", ["plain", "window", "softcap", "sinks"])
-def test_prefill_matches_reference(dtype, heads, kv_heads, head_dim, option):
+@pytest.mark.parametrize("block_size", [16, 8, 32])
+def test_prefill_matches_reference(dtype, heads, kv_heads, head_dim, option, block_size):
     """Whole prompts, chunks over a cached prefix, a prefix hit with one new token, an empty
     query and decode rows before them (left to the decode kernel: the prefill call must not
-    touch their output rows); every slot outside a context is NaN."""
+    touch their output rows); contexts past one 64-key softmax chunk, block sizes that
+    split or span its 16-key groups; every slot outside a context is NaN."""
     g = torch.Generator().manual_seed(heads + head_dim)
-    seq_lens = [9, 30, 7, 16, 33, 41, 70, 5]
-    q_lens = [1, 1, 7, 16, 33, 9, 37, 0]  # two decodes, then prefills of every kind
-    _, kc, vc, lens, tables = decode_case(g, seq_lens, heads, kv_heads, head_dim, dtype)
+    seq_lens = [9, 30, 7, 16, 33, 41, 150, 5]
+    q_lens = [1, 1, 7, 16, 33, 9, 117, 0]  # two decodes, then prefills of every kind
+    _, kc, vc, lens, tables = decode_case(g, seq_lens, heads, kv_heads, head_dim, dtype, block_size=block_size)
     qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     q = torch.randn(int(qsl[-1]), heads, head_dim, generator=g).to(dtype)
     opts = {"window": {"sliding_window": 11}, "softcap": {"softcap": 3.0},
@@ -215,15 +217,3 @@ def test_prefill_matches_reference(dtype, heads, kv_heads, head_dim, option):
                                       0.125, **opts)
     atol, rtol = TOL[dtype]
     np.testing.assert_allclose(out[2:].float().numpy(), want[2:], atol=atol, rtol=rtol)
-
-
-def test_prefill_refuses_blocks_larger_than_its_tile():
-    assert not native_cpu.prefill_supported(64, 8, 2, "float32", 32)
-    assert native_cpu.prefill_supported(64, 8, 2, "float32", 16)
-    q = torch.zeros(3, 2, 32)
-    kc = torch.zeros(2, 32, 1, 32)
-    with pytest.raises(ValueError, match="block size 32"):
-        native_cpu.prefill_attention(native_cpu.library(), "float32", q.data_ptr(), q.stride()[:2], kc.data_ptr(),
-                                     kc.data_ptr(), tuple(kc.shape), 2, np.zeros((1, 1), np.int32),
-                                     np.array([0, 3], np.int32), np.array([3], np.int32), 0, 1.0, 0, 0.0, None,
-                                     q.data_ptr(), 1)

@@ -285,11 +285,8 @@ def _dispatch_torch(q, key_cache, value_cache, md, scaling, sliding_window, soft
     nd, num_seqs = md.num_decodes, md.seq_lens.shape[0]
     if "native" in (decode_backend, prefill_backend) and (not nd or decode_backend == "native") \
             and prefill_backend != "numba" and _native_decodable(q, key_cache):
-        from .native_cpu import MAX_PREFILL_BLOCK_SIZE
-
-        prefill_native = prefill_backend == "native" and key_cache.shape[1] <= MAX_PREFILL_BLOCK_SIZE
         return _native_attention(q, key_cache, value_cache, md, scaling, sliding_window, softcap, sinks,
-                                 prefill_native)
+                                 prefill_backend == "native")
     decode_backend = "numba" if decode_backend == "native" else decode_backend
     prefill_backend = "torch" if prefill_backend == "native" else prefill_backend
     use_numba = (nd and decode_backend == "numba") or (nd < num_seqs and prefill_backend == "numba")

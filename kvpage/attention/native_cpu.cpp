@@ -444,6 +444,7 @@ void decode_typed(const DecodeArgs& a, int num_threads) {
 // widened to fp32 once per block, not once per row).
 
 constexpr int64_t kQueryTile = 16;
+constexpr int64_t kKeyChunk = 64;  // keys per softmax step, any block size
 
 struct PrefillArgs {
   const void* q;
@@ -474,13 +475,13 @@ void prefill_item(const PrefillArgs& a, const PrefillItem& it, std::vector<float
   const int64_t seq_len = a.seq_lens[it.seq], first_pos = seq_len - q_len;
   const int64_t tile = it.rows, rows = tile * group;
   const bool raw = uses_bf16_dot<T>(D);
-  // scratch: fp32 queries [rows][D] | accumulators [rows][D] | V block [block_size][D] | scores [16]
-  scratch.resize(rows * D * 2 + a.block_size * D + 16 + 2 * rows);
+  // scratch: fp32 queries [rows][D] | accumulators [rows][D] | V rows [kKeyChunk][D] | scores [kKeyChunk]
+  scratch.resize(rows * D * 2 + kKeyChunk * D + kKeyChunk + 2 * rows);
   float* qf = scratch.data();
   float* acc = qf + rows * D;
   float* vblock = acc + rows * D;
-  float* probs = vblock + a.block_size * D;
-  float* stats = probs + 16;  // (max, denominator) per row
+  float* probs = vblock + kKeyChunk * D;
+  float* stats = probs + kKeyChunk;  // (max, denominator) per row
   if (raw) qraw.resize(rows * D);
   const __m512 scale = _mm512_set1_ps(a.scale);
   for (int64_t r = 0; r < tile; ++r) {
@@ -502,43 +503,56 @@ void prefill_item(const PrefillArgs& a, const PrefillItem& it, std::vector<float
   const int64_t k_lo = a.window > 0 ? std::max<int64_t>(0, lo_pos - a.window + 1) : 0;
   const int32_t* table = a.block_tables + it.seq * a.table_stride;
   const int64_t row = a.num_kv_heads * D;
-  int64_t offs[16];
+  int64_t offs[kKeyChunk];
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  for (int64_t b = k_lo / a.block_size; b * a.block_size <= hi_pos; ++b) {
-    const int64_t base = b * a.block_size, n = std::min(a.block_size, seq_len - base);
-    const int64_t block_row = static_cast<int64_t>(table[b]) * a.block_size * row + it.head * D;
-    for (int64_t j = 0; j < n; ++j) offs[j] = block_row + j * row;
-    for (int64_t j = 0; j < n; ++j)
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t base = k_lo / kKeyChunk * kKeyChunk; base <= hi_pos; base += kKeyChunk) {
+    const int64_t n = std::min(kKeyChunk, seq_len - base);
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t t = base + j;
+      offs[j] = (static_cast<int64_t>(table[t / a.block_size]) * a.block_size + t % a.block_size) * row + it.head * D;
       for (int64_t c = 0; c < d16; ++c)
         _mm512_storeu_ps(vblock + j * D + c * 16, load16<T>(a.value_cache, offs[j] + c * 16));
+    }
     for (int64_t r = 0; r < tile; ++r) {
       const int64_t pos = lo_pos + r;
-      // Visible keys of this row within the block: base + j <= pos, base + j > pos - window.
+      // Visible keys of this row within the chunk: base + j <= pos, base + j > pos - window.
       const int64_t last = std::min<int64_t>(n - 1, pos - base);
-      if (last < 0) continue;
       const int64_t first = a.window > 0 ? std::max<int64_t>(0, pos - a.window + 1 - base) : 0;
-      if (first > last) continue;
-      const __mmask16 visible =
-          _mm512_cmp_epi32_mask(lane, _mm512_set1_epi32(static_cast<int>(first)), _MM_CMPINT_NLT) &
-          _mm512_cmp_epi32_mask(lane, _mm512_set1_epi32(static_cast<int>(last)), _MM_CMPINT_LE);
+      if (last < 0 || first > last) continue;
+      const int64_t sub_lo = first / 16, sub_hi = last / 16;  // the 16-key groups holding visible keys
+      __mmask16 visible[kKeyChunk / 16];
+      for (int64_t k = sub_lo; k <= sub_hi; ++k) {
+        const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(16 * k)));
+        visible[k] = _mm512_cmp_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(first)), _MM_CMPINT_NLT) &
+                     _mm512_cmp_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(last)), _MM_CMPINT_LE);
+      }
       for (int64_t g = 0; g < group; ++g) {
         const int64_t m = r * group + g;
         const void* qrow = raw ? static_cast<const void*>(qraw.data() + m * D) : static_cast<const void*>(qf + m * D);
-        scores16<T, D16>(a.key_cache, D, a.scale, raw, qrow, offs, n, probs);
-        __m512 s = _mm512_loadu_ps(probs);
-        if (a.softcap > 0) {
-          alignas(64) float tmp[16];
-          _mm512_store_ps(tmp, s);
-          for (int j = 0; j < 16; ++j) tmp[j] = a.softcap * std::tanh(tmp[j] / a.softcap);
-          s = _mm512_load_ps(tmp);
+        __m512 sv[kKeyChunk / 16], mx = neg_inf;
+        for (int64_t k = sub_lo; k <= sub_hi; ++k) {
+          scores16<T, D16>(a.key_cache, D, a.scale, raw, qrow, offs + 16 * k, std::min<int64_t>(16, n - 16 * k),
+                           probs + 16 * k);
+          sv[k] = _mm512_loadu_ps(probs + 16 * k);
+          if (a.softcap > 0) {
+            for (int64_t j = 16 * k; j < 16 * k + 16; ++j) probs[j] = a.softcap * std::tanh(probs[j] / a.softcap);
+            sv[k] = _mm512_loadu_ps(probs + 16 * k);
+          }
+          sv[k] = _mm512_mask_mov_ps(neg_inf, visible[k], sv[k]);
+          mx = _mm512_max_ps(mx, sv[k]);
         }
-        s = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), visible, s);
-        const float m_old = stats[2 * m], m_new = std::max(m_old, _mm512_reduce_max_ps(s));
-        const __m512 p = _mm512_maskz_mov_ps(visible, exp_nonpositive(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
+        const float m_old = stats[2 * m], m_new = std::max(m_old, _mm512_reduce_max_ps(mx));
+        const __m512 mv = _mm512_set1_ps(m_new);
+        __m512 total = _mm512_setzero_ps();
+        for (int64_t k = sub_lo; k <= sub_hi; ++k) {
+          const __m512 p = _mm512_maskz_mov_ps(visible[k], exp_nonpositive(_mm512_sub_ps(sv[k], mv)));
+          _mm512_storeu_ps(probs + 16 * k, p);
+          total = _mm512_add_ps(total, p);
+        }
         const float alpha = exp_nonpositive_scalar(m_old - m_new);
         stats[2 * m] = m_new;
-        stats[2 * m + 1] = stats[2 * m + 1] * alpha + _mm512_reduce_add_ps(p);
-        _mm512_storeu_ps(probs, p);
+        stats[2 * m + 1] = stats[2 * m + 1] * alpha + _mm512_reduce_add_ps(total);
         float* arow = acc + m * D;
         const __m512 al = _mm512_set1_ps(alpha);
         __m512 o[kMaxChunks];
@@ -655,8 +669,7 @@ int kvpage_prefill_attention(int elem_type, const void* q, int64_t q_stride_toke
                              int64_t table_stride, const int32_t* query_start_loc, const int32_t* seq_lens,
                              int64_t first_seq, int64_t num_seqs, float scale, int64_t window, float softcap,
                              const float* sinks, void* out, int num_threads) {
-  if (head_dim % 16 || head_dim > 16 * kMaxChunks || num_kv_heads <= 0 || num_heads % num_kv_heads ||
-      block_size > 16 || block_size <= 0)
+  if (head_dim % 16 || head_dim > 16 * kMaxChunks || num_kv_heads <= 0 || num_heads % num_kv_heads || block_size <= 0)
     return -1;
   std::vector<PrefillItem> items;
   for (int64_t i = first_seq; i < num_seqs; ++i) {

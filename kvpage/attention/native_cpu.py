@@ -146,23 +146,15 @@ def decode_attention(lib: ctypes.CDLL, dtype_name: str, q_ptr: int, q_strides: t
                          f"{num_kv_heads} KV heads (code {code})")
 
 
-#: Most tokens per KV block the prefill kernel takes (its scores come 16 to a vector).
-MAX_PREFILL_BLOCK_SIZE = 16
-
-
-def prefill_supported(head_dim: int, num_heads: int, num_kv_heads: int, dtype_name: str, block_size: int) -> bool:
-    """Whether :func:`prefill_attention` takes these shapes, element type and block size."""
-    return decode_supported(head_dim, num_heads, num_kv_heads, dtype_name) and 0 < block_size <= MAX_PREFILL_BLOCK_SIZE
-
-
 def prefill_attention(lib: ctypes.CDLL, dtype_name: str, q_ptr: int, q_strides: tuple, key_ptr: int, value_ptr: int,
                       cache_shape: tuple, num_heads: int, tables: np.ndarray, query_start_loc: np.ndarray,
                       seq_lens: np.ndarray, first_seq: int, scale: float, window: int, softcap: float,
                       sinks: Optional[np.ndarray], out_ptr: int, num_threads: int) -> None:
     """Attention of the query rows of sequences ``first_seq:`` (each the last ``q_len``
     positions of its context; causal) into the same rows of the ``[T, num_heads, D]``
-    contiguous output; earlier rows are left alone. Layouts as :func:`decode_attention`;
-    ``query_start_loc`` int32 ``[B + 1]``. The caller checks :func:`prefill_supported`."""
+    contiguous output; earlier rows are left alone. Layouts as :func:`decode_attention`
+    (any block size); ``query_start_loc`` int32 ``[B + 1]``. The caller checks
+    :func:`decode_supported`, which covers this kernel too."""
     _, block_size, num_kv_heads, head_dim = cache_shape
     code = lib.kvpage_prefill_attention(
         ELEM_TYPES[dtype_name], q_ptr, q_strides[0], q_strides[1], key_ptr, value_ptr, block_size, num_kv_heads,
@@ -170,8 +162,8 @@ def prefill_attention(lib: ctypes.CDLL, dtype_name: str, q_ptr: int, q_strides: 
         seq_lens.ctypes.data, first_seq, seq_lens.shape[0], scale, window, softcap,
         None if sinks is None else sinks.ctypes.data, out_ptr, num_threads)
     if code != 0:
-        raise ValueError(f"native prefill attention refused head_dim {head_dim}, block size {block_size} with "
-                         f"{num_heads} query and {num_kv_heads} KV heads (code {code})")
+        raise ValueError(f"native prefill attention refused head_dim {head_dim} with {num_heads} query and "
+                         f"{num_kv_heads} KV heads, or more queries than context (code {code})")
 
 
 def write_decode(lib: ctypes.CDLL, dtype_name: str, q: tuple, k: Optional[tuple], v: Optional[tuple], slots_ptr: int,
