@@ -26,16 +26,21 @@ K and V of different shapes (MLA models such as DeepSeek-V2/V3 and MiniCPM3, who
 is smaller than K's) always take the torch backend, both phases: the numba kernels read K
 and V of one shape (``kv_layouts_differ``).
 
-Numba and torch each keep an OpenMP thread pool (two copies of GNU OpenMP); when calls
-alternate, the idle pool's spinning worker competes with the busy one. So torch inputs
-decode through the native kernel (:mod:`kvpage.attention.native_cpu`, on torch's pool)
-where it builds, and decode-only steps write K/V and attend in one native call per layer
-(:func:`write_and_attend_cpu`). A bf16 decode step of SmolLM2-135M at batch 16 (contexts
+Those figures chose between numba and torch. Since then torch inputs take the native
+kernels (:mod:`kvpage.attention.native_cpu`) where they build:
+
+* prefill: ten ~210-token prompts, SmolLM2's heads (9 query / 3 KV, head_dim 64), bf16
+  and fp32: native 6-8 ms per layer vs gather + SDPA 13-20 ms (interleaved calls).
+* decode: numba and torch each keep an OpenMP thread pool (two copies of GNU OpenMP);
+  when calls alternate, the idle pool's spinning worker competes with the busy one. The
+  native kernel runs on torch's pool, and decode-only steps write K/V and attend in one
+  native call per layer (:func:`write_and_attend_cpu`). A bf16 decode step of SmolLM2-135M at batch 16 (contexts
 100-180, compiled model) took 34.9 ms that way against 43.9 ms on the numba kernels, run
 back to back: attention and writes 4.8 ms instead of 9.0 ms, and the linears faster too
 with no second pool spinning. At batch 34 x context 220 (offline) the kernel is bound by
-reading KV from DRAM (about 0.8 ms per layer either way). Numba stays the path for numpy
-inputs, prefill tiles, and wherever the native library is unavailable.
+reading KV from DRAM (about 0.8 ms per layer either way). Numba (decode) and torch
+(prefill) stay the paths wherever the native library is unavailable, and numba serves
+numpy inputs.
 """
 from __future__ import annotations
 
