@@ -102,7 +102,7 @@ DECODE_SWEEP = [
 ]
 
 
-@pytest.mark.parametrize("impl", ["contiguous_sdpa", "numba", "torch"])
+@pytest.mark.parametrize("impl", ["contiguous_sdpa", "native", "numba", "torch"])
 @pytest.mark.parametrize("shape", DECODE_SWEEP, ids=lambda s: "b{}_ctx{}_h{}kv{}_bs{}".format(*s))
 def test_bench_decode(benchmark, shape, impl):
     batch, ctx, heads, kv_heads, bs = shape
@@ -163,8 +163,24 @@ def test_bench_decode_bf16_from_a_large_pool(benchmark):
     def one_layer():
         return paged_attention_cpu(q, kc, vc, metadata=metas[next(calls) % layers], scaling=SCALE)
 
+    from kvpage.attention.cpu import DECODE_BACKEND
+
     benchmark(one_layer)
-    record(benchmark, batch * ctx * 3 * HEAD_DIM * 2 * 2, impl="numba", phase="decode", dtype="bfloat16")
+    record(benchmark, batch * ctx * 3 * HEAD_DIM * 2 * 2, impl=DECODE_BACKEND, phase="decode", dtype="bfloat16")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_bench_prefill_smollm2_native_vs_torch(benchmark, dtype):
+    """One prefill step's attention for one layer of SmolLM2 (9 query / 3 KV heads): ten
+    prompts of 150-260 tokens, native kernel vs gather + SDPA, calls interleaved."""
+    lens = [205, 180, 240, 150, 260, 210, 199, 230, 190, 184]
+    q, kc, vc, md, _, kv_bytes = build(lens, lens, 9, 3, 16, dtype=getattr(torch, dtype))
+    fns = {"native": paged_fn("native", q, kc, vc, md), "torch": paged_fn("torch", q, kc, vc, md)}
+    medians = interleaved_medians(fns, rounds=20)
+    benchmark(fns["native"])
+    record(benchmark, kv_bytes, impl="native", phase="prefill", dtype=dtype,
+           ms={k: round(v * 1e3, 3) for k, v in medians.items()},
+           torch_over_native=round(medians["torch"] / medians["native"], 2))
 
 
 # (query lengths, context lengths)
@@ -175,7 +191,7 @@ PREFILL_SWEEP = {
 }
 
 
-@pytest.mark.parametrize("impl", ["contiguous_sdpa", "numba", "torch"])
+@pytest.mark.parametrize("impl", ["contiguous_sdpa", "native", "numba", "torch"])
 @pytest.mark.parametrize("case", PREFILL_SWEEP)
 def test_bench_prefill(benchmark, case, impl):
     q_lens, seq_lens = PREFILL_SWEEP[case]
