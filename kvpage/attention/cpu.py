@@ -34,13 +34,15 @@ kernels (:mod:`kvpage.attention.native_cpu`) where they build:
 * decode: numba and torch each keep an OpenMP thread pool (two copies of GNU OpenMP);
   when calls alternate, the idle pool's spinning worker competes with the busy one. The
   native kernel runs on torch's pool, and decode-only steps write K/V and attend in one
-  native call per layer (:func:`write_and_attend_cpu`). A bf16 decode step of SmolLM2-135M at batch 16 (contexts
-100-180, compiled model) took 34.9 ms that way against 43.9 ms on the numba kernels, run
-back to back: attention and writes 4.8 ms instead of 9.0 ms, and the linears faster too
-with no second pool spinning. At batch 34 x context 220 (offline) the kernel is bound by
-reading KV from DRAM (about 0.8 ms per layer either way). Numba (decode) and torch
-(prefill) stay the paths wherever the native library is unavailable, and numba serves
-numpy inputs.
+  native call per layer (:func:`write_and_attend_cpu`). A bf16 decode step of
+  SmolLM2-135M at batch 16 (contexts 100-180, compiled model) took 34.9 ms that way
+  against 43.9 ms on the numba kernels, run back to back: attention and writes 4.8 ms
+  instead of 9.0 ms, and the linears faster too with no second pool spinning. At batch
+  34 x context 220 (offline) the kernel is bound by reading KV from DRAM (about 0.8 ms
+  per layer either way).
+
+Numba (decode) and torch (prefill) stay the paths wherever the native library is
+unavailable, and numba serves numpy inputs.
 """
 from __future__ import annotations
 
@@ -232,7 +234,7 @@ def write_and_attend_cpu(q, k, v, key_cache, value_cache, scaling: float, slidin
         from . import native_cpu
 
         num_threads = _torch_threads()
-        sinks_np = None if sinks is None else _to_numpy(sinks.float() if _is_torch(sinks) else sinks, np.float32)
+        sinks_np = _sinks_f32(sinks)
         result = q.new_empty(q.shape)
         qs = q.stride()
         rows = (None, None, None)
@@ -240,7 +242,7 @@ def write_and_attend_cpu(q, k, v, key_cache, value_cache, scaling: float, slidin
             ks, vs = k.stride(), v.stride()
             rows = ((k.data_ptr(), ks[0], ks[1]), (v.data_ptr(), vs[0], vs[1]), metadata.slot_mapping.ctypes.data)
         native_cpu.write_decode(
-            native_cpu.library(), _DTYPE_NAMES[q.dtype], (q.data_ptr(), qs[0], qs[1]), *rows, q.shape[0],
+            native_cpu.library(), _dtype_name(q.dtype), (q.data_ptr(), qs[0], qs[1]), *rows, q.shape[0],
             key_cache.data_ptr(), value_cache.data_ptr(),
             tuple(key_cache.shape), q.shape[1], metadata.native_step(num_threads, key_cache.shape[1]), scaling,
             int(sliding_window or 0), float(softcap or 0.0), None if sinks_np is None else sinks_np.ctypes.data,
@@ -256,6 +258,13 @@ def _torch_threads() -> int:
     import torch
 
     return torch.get_num_threads()
+
+
+def _sinks_f32(sinks) -> Optional[np.ndarray]:
+    """Per-head sinks (torch of any float dtype, or numpy) as contiguous float32, or None."""
+    if sinks is None:
+        return None
+    return _to_numpy(sinks.float() if _is_torch(sinks) else sinks, np.float32)
 
 
 def _fused_native_fits(q, k, v, key_cache, value_cache, md: CPUAttentionMetadata, write: bool) -> bool:
@@ -302,7 +311,7 @@ def _dispatch_torch(q, key_cache, value_cache, md, scaling, sliding_window, soft
     from .numba_cpu import paged_attention_numba
 
     kc, vc, cache_dtype = _cache_views(key_cache, value_cache)
-    sinks_np = None if sinks is None else _to_numpy(torch.as_tensor(sinks).float(), np.float32)
+    sinks_np = _sinks_f32(sinks)
     out = np.zeros(tuple(q.shape), dtype=np.float32)
     numba_decodes = nd if decode_backend == "numba" else 0
     work = md.work if prefill_backend == "numba" else md.work[:0]
@@ -340,8 +349,8 @@ def _native_attention(q, key_cache, value_cache, md, scaling, sliding_window, so
     if not key_cache.is_contiguous() or not value_cache.is_contiguous():
         raise ValueError("the native attention kernels need contiguous CPU caches")
     result = torch.empty(q.shape, dtype=q.dtype)
-    lib, name, num_threads = native_cpu.library(), _dtype_name(q.dtype), torch.get_num_threads()
-    sinks_np = None if sinks is None else _to_numpy(torch.as_tensor(sinks).float(), np.float32)
+    lib, name, num_threads = native_cpu.library(), _dtype_name(q.dtype), _torch_threads()
+    sinks_np = _sinks_f32(sinks)
     window, cap = int(sliding_window or 0), float(softcap or 0.0)
     if md.num_decodes:
         native_cpu.decode_attention(lib, name, q.data_ptr(), q.stride()[:2], key_cache.data_ptr(),
@@ -378,23 +387,19 @@ def _cache_views(key_cache, value_cache):
     """Zero-copy numpy views of torch caches for numba: fp32 as is, fp16/bf16 as uint16 bits."""
     if key_cache.device.type != "cpu" or not key_cache.is_contiguous() or not value_cache.is_contiguous():
         raise ValueError("numba backend needs contiguous CPU caches")
-    name = _NUMBA_DTYPES.get(str(key_cache.dtype))
+    name = _dtype_name(key_cache.dtype)
     if name is None:
         raise ValueError(f"unsupported cache dtype {key_cache.dtype}")
     return _numba_view(key_cache), _numba_view(value_cache), name
 
 
-_DTYPE_NAMES: dict = {}  # torch dtype -> "float32" / "float16" / "bfloat16", filled on first use
+#: Torch dtypes the native and numba kernels read, by the name they take (``cache_dtype``).
+_KERNEL_DTYPES = {"torch.float32": "float32", "torch.float16": "float16", "torch.bfloat16": "bfloat16"}
 
 
-def _dtype_name(dtype) -> str:
-    if dtype not in _DTYPE_NAMES:
-        _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
-    return _DTYPE_NAMES[dtype]
-
-
-#: Torch dtypes numba reads, by the name the kernels take (``cache_dtype``).
-_NUMBA_DTYPES = {"torch.float32": "float32", "torch.float16": "float16", "torch.bfloat16": "bfloat16"}
+def _dtype_name(dtype) -> Optional[str]:
+    """``dtype``'s name in :data:`_KERNEL_DTYPES`, or None for a dtype no kernel reads."""
+    return _KERNEL_DTYPES.get(str(dtype))
 
 
 def _numba_view(t):
@@ -404,22 +409,27 @@ def _numba_view(t):
     return (t if t.dtype == torch.float32 else t.view(torch.uint16)).numpy()
 
 
-def write_kv_cpu(key_cache, value_cache, k, v, slot_mapping=None, *, metadata: Optional[CPUAttentionMetadata] = None) -> None:
+def write_kv_cpu(key_cache, value_cache, k, v, slot_mapping=None, *,
+                 metadata: Optional[CPUAttentionMetadata] = None) -> None:
     """The contract's ``write_kv`` on CPU (torch tensors or numpy arrays), in place.
 
     Slots come from ``slot_mapping`` or ``metadata.slot_mapping``. Contiguous torch caches
-    take numba's row store when numba is there, else ``index_copy_``.
+    take the native row store, else numba's when numba is there, else ``index_copy_``.
     """
     if slot_mapping is None:
         if metadata is None or metadata.slot_mapping is None:
             raise ValueError("pass slot_mapping, or metadata built with slot_mapping")
         slot_mapping = metadata.slot_mapping
     if _is_torch(key_cache):
-        if _numba_storable(key_cache, value_cache) and _store_native(key_cache, value_cache, k, v, slot_mapping):
-            return
-        if _numba_available() and _numba_storable(key_cache, value_cache):
-            _store_numba(key_cache, value_cache, k, v, slot_mapping)
-            return
+        if _row_storable(key_cache, value_cache):
+            slots = _to_numpy(slot_mapping, np.int64)
+            if slots.shape[0] != k.shape[0] or slots.shape[0] != v.shape[0]:
+                raise ValueError(f"slot_mapping has {slots.shape[0]} slots for {k.shape[0]} K and {v.shape[0]} V rows")
+            if _store_native(key_cache, value_cache, k, v, slots):
+                return
+            if _numba_available():
+                _store_numba(key_cache, value_cache, k, v, slots)
+                return
         from .torch_cpu import write_kv_torch
 
         write_kv_torch(key_cache, value_cache, k, v, slot_mapping)
@@ -429,40 +439,34 @@ def write_kv_cpu(key_cache, value_cache, k, v, slot_mapping=None, *, metadata: O
         write_kv_reference(key_cache, value_cache, k, v, slot_mapping)
 
 
-def _numba_storable(key_cache, value_cache) -> bool:
+def _row_storable(key_cache, value_cache) -> bool:
+    """Contiguous CPU caches of one dtype the row stores (native, numba) write."""
     return (key_cache.device.type == "cpu" and key_cache.dtype == value_cache.dtype
-            and str(key_cache.dtype) in _NUMBA_DTYPES and key_cache.is_contiguous() and value_cache.is_contiguous())
+            and _dtype_name(key_cache.dtype) is not None and key_cache.is_contiguous() and value_cache.is_contiguous())
 
 
-def _store_native(key_cache, value_cache, k, v, slot_mapping) -> bool:
-    """The native row store; False (nothing written) where the library is unavailable."""
+def _store_native(key_cache, value_cache, k, v, slots: np.ndarray) -> bool:
+    """The native row store (``slots`` int64, already checked against the row counts);
+    False, nothing written, where the library is unavailable."""
     from . import native_cpu
 
     lib = native_cpu.library()
     if lib is None:
         return False
-    slots = _to_numpy(slot_mapping, np.int64)
-    if slots.shape[0] != k.shape[0] or slots.shape[0] != v.shape[0]:
-        raise ValueError(f"slot_mapping has {slots.shape[0]} slots for {k.shape[0]} K and {v.shape[0]} V rows")
-    num_slots = key_cache.shape[0] * key_cache.shape[1]
     for cache, rows in ((key_cache, k), (value_cache, v)):
         rows = rows.to(cache.dtype)
-        row_elems = cache.shape[2] * cache.shape[3]
         if rows.shape[1:] != cache.shape[2:]:
             raise ValueError(f"K/V rows of shape {tuple(rows.shape[1:])} do not fit cache rows "
                              f"{tuple(cache.shape[2:])}")
-        if rows.stride(2) != 1 or rows.stride(1) != cache.shape[3]:
+        if rows.stride(2) != 1:
             rows = rows.contiguous()
-        native_cpu.store_rows(lib, cache.data_ptr(), num_slots, row_elems * cache.element_size(), rows.data_ptr(),
-                              rows.stride(0) * rows.element_size(), slots)
+        native_cpu.store_rows(lib, cache.data_ptr(), tuple(cache.shape), cache.element_size(), rows.data_ptr(),
+                              rows.stride()[:2], slots)
     return True
 
 
-def _store_numba(key_cache, value_cache, k, v, slot_mapping) -> None:
+def _store_numba(key_cache, value_cache, k, v, slots: np.ndarray) -> None:
     from .numba_cpu import store_kv_numba
 
-    slots = _to_numpy(slot_mapping, np.int64)
-    if slots.shape[0] != k.shape[0] or slots.shape[0] != v.shape[0]:
-        raise ValueError(f"slot_mapping has {slots.shape[0]} slots for {k.shape[0]} K and {v.shape[0]} V rows")
     rows = [_numba_view(x.to(key_cache.dtype).contiguous()) for x in (k, v)]
     store_kv_numba(_numba_view(key_cache), _numba_view(value_cache), *rows, slots)

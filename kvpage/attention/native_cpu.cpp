@@ -88,7 +88,8 @@ inline __m512 exp_nonpositive(__m512 x) {
 
 inline float exp_nonpositive_scalar(float x) { return _mm512_cvtss_f32(exp_nonpositive(_mm512_set1_ps(x))); }
 
-struct DecodeArgs {
+// One layer's paged attention call: what the decode and prefill kernels both read.
+struct PagedLayer {
   const void* q;
   int64_t q_stride_token, q_stride_head;  // elements; the head_dim stride is 1
   const void* key_cache;
@@ -97,13 +98,15 @@ struct DecodeArgs {
   const int32_t* block_tables;
   int64_t table_stride;
   const int32_t* seq_lens;
-  int64_t num_seqs;
   float scale;
-  int64_t window;  // 0: none
-  float softcap;   // 0: none
+  int64_t window;      // 0: none
+  float softcap;       // 0: none
   const float* sinks;  // nullptr: none; else [num_heads]
-  void* out;           // [num_seqs, num_heads, head_dim], q's element type, contiguous
-  int64_t num_splits;
+  void* out;           // [rows, num_heads, head_dim], q's element type, contiguous
+};
+
+struct DecodeArgs : PagedLayer {
+  int64_t num_seqs, num_splits;
   float* part_acc;    // [num_seqs, num_heads, num_splits, head_dim] when num_splits > 1
   float* part_stats;  // [num_seqs, num_heads, num_splits, 2]: (max, denominator)
 };
@@ -446,21 +449,8 @@ void decode_typed(const DecodeArgs& a, int num_threads) {
 constexpr int64_t kQueryTile = 16;
 constexpr int64_t kKeyChunk = 64;  // keys per softmax step, any block size
 
-struct PrefillArgs {
-  const void* q;
-  int64_t q_stride_token, q_stride_head;
-  const void* key_cache;
-  const void* value_cache;
-  int64_t block_size, num_kv_heads, head_dim, num_heads;
-  const int32_t* block_tables;
-  int64_t table_stride;
+struct PrefillArgs : PagedLayer {
   const int32_t* query_start_loc;
-  const int32_t* seq_lens;
-  float scale;
-  int64_t window;
-  float softcap;
-  const float* sinks;
-  void* out;  // [T, num_heads, head_dim], q's element type, contiguous
 };
 
 struct PrefillItem {
@@ -598,7 +588,7 @@ void prefill_typed(const PrefillArgs& a, const std::vector<PrefillItem>& items, 
 extern "C" {
 
 // Version of this file's C interface; native_cpu.py refuses a library that differs.
-int kvpage_native_abi() { return 3; }
+int kvpage_native_abi() { return 4; }
 
 // Paged decode attention (see native_cpu.decode_attention). Returns 0, or a negative code
 // for shapes this kernel does not take (the caller checks them first).
@@ -615,14 +605,33 @@ int kvpage_decode_attention(int elem_type, const void* q, int64_t q_stride_token
     part_acc.resize(num_seqs * num_heads * num_splits * head_dim);
     part_stats.resize(num_seqs * num_heads * num_splits * 2);
   }
-  DecodeArgs a{q, q_stride_token, q_stride_head, key_cache, value_cache, block_size, num_kv_heads, head_dim,
-               num_heads, block_tables, table_stride, seq_lens, num_seqs, scale, window, softcap, sinks, out,
-               num_splits, part_acc.data(), part_stats.data()};
+  DecodeArgs a{{q, q_stride_token, q_stride_head, key_cache, value_cache, block_size, num_kv_heads, head_dim,
+                num_heads, block_tables, table_stride, seq_lens, scale, window, softcap, sinks, out},
+               num_seqs, num_splits, part_acc.data(), part_stats.data()};
   switch (elem_type) {
     case kF32: decode_typed<kF32>(a, num_threads); break;
     case kF16: decode_typed<kF16>(a, num_threads); break;
     case kBF16: decode_typed<kBF16>(a, num_threads); break;
     default: return -2;
+  }
+  return 0;
+}
+
+// cache[slots[t]] = rows[t] for t < n: rows [n, H_kv, D] of elem_bytes elements at `rows`
+// (token and head strides in elements, D contiguous), cache rows [num_slots, H_kv, D].
+// Every slot is checked before anything is written: returns 0, or 1 + the index of the
+// first slot outside the cache.
+int64_t kvpage_store_rows(void* cache, int64_t num_slots, int64_t num_kv_heads, int64_t head_dim, int64_t elem_bytes,
+                          const void* rows, int64_t stride_token, int64_t stride_head, const int64_t* slots,
+                          int64_t n) {
+  for (int64_t t = 0; t < n; ++t)
+    if (slots[t] < 0 || slots[t] >= num_slots) return t + 1;
+  const int64_t head_bytes = head_dim * elem_bytes, row_bytes = num_kv_heads * head_bytes;
+  for (int64_t t = 0; t < n; ++t) {
+    char* dst = static_cast<char*>(cache) + slots[t] * row_bytes;
+    for (int64_t h = 0; h < num_kv_heads; ++h)
+      std::memcpy(dst + h * head_bytes,
+                  static_cast<const char*>(rows) + (t * stride_token + h * stride_head) * elem_bytes, head_bytes);
   }
   return 0;
 }
@@ -640,20 +649,12 @@ int64_t kvpage_write_decode(int elem_type, const void* q, int64_t q_stride_token
                             int64_t window, float softcap, const float* sinks, void* out, int64_t num_splits,
                             int num_threads) {
   if (k != nullptr) {
-    const int64_t num_slots = num_blocks * block_size;
-    for (int64_t t = 0; t < num_new; ++t)
-      if (slots[t] < 0 || slots[t] >= num_slots) return t + 1;
-    const int64_t elem = elem_type == kF32 ? 4 : 2, row = num_kv_heads * head_dim * elem, bytes = head_dim * elem;
-    for (int64_t t = 0; t < num_new; ++t) {
-      char* kdst = static_cast<char*>(key_cache) + slots[t] * row;
-      char* vdst = static_cast<char*>(value_cache) + slots[t] * row;
-      for (int64_t h = 0; h < num_kv_heads; ++h) {
-        const char* ksrc = static_cast<const char*>(k) + (t * k_stride_token + h * k_stride_head) * elem;
-        const char* vsrc = static_cast<const char*>(v) + (t * v_stride_token + h * v_stride_head) * elem;
-        std::memcpy(kdst + h * bytes, ksrc, bytes);
-        std::memcpy(vdst + h * bytes, vsrc, bytes);
-      }
-    }
+    const int64_t elem = elem_type == kF32 ? 4 : 2, num_slots = num_blocks * block_size;
+    const int64_t bad = kvpage_store_rows(key_cache, num_slots, num_kv_heads, head_dim, elem, k, k_stride_token,
+                                          k_stride_head, slots, num_new);
+    if (bad) return bad;  // V goes to the same slots, so it cannot fail once K did not
+    kvpage_store_rows(value_cache, num_slots, num_kv_heads, head_dim, elem, v, v_stride_token, v_stride_head, slots,
+                      num_new);
   }
   return kvpage_decode_attention(elem_type, q, q_stride_token, q_stride_head, key_cache, value_cache, block_size,
                                  num_kv_heads, head_dim, num_heads, block_tables, table_stride, seq_lens, num_seqs,
@@ -679,26 +680,15 @@ int kvpage_prefill_attention(int elem_type, const void* q, int64_t q_stride_toke
       for (int64_t h = 0; h < num_kv_heads; ++h)
         items.push_back({i, h, std::max<int64_t>(end - kQueryTile, 0), std::min(kQueryTile, end)});
   }
-  PrefillArgs a{q, q_stride_token, q_stride_head, key_cache, value_cache, block_size, num_kv_heads, head_dim,
-                num_heads, block_tables, table_stride, query_start_loc, seq_lens, scale, window, softcap, sinks, out};
+  PrefillArgs a{{q, q_stride_token, q_stride_head, key_cache, value_cache, block_size, num_kv_heads, head_dim,
+                 num_heads, block_tables, table_stride, seq_lens, scale, window, softcap, sinks, out},
+                query_start_loc};
   switch (elem_type) {
     case kF32: prefill_typed<kF32>(a, items, num_threads); break;
     case kF16: prefill_typed<kF16>(a, items, num_threads); break;
     case kBF16: prefill_typed<kBF16>(a, items, num_threads); break;
     default: return -2;
   }
-  return 0;
-}
-
-// cache_rows[slots[t]] = rows[t] (row_bytes each) for t < n. Every slot is checked before
-// anything is written: returns 0, or 1 + the index of the first slot outside the cache.
-int64_t kvpage_store_rows(void* cache_rows, int64_t num_slots, int64_t row_bytes, const void* rows,
-                          int64_t rows_stride_bytes, const int64_t* slots, int64_t n) {
-  for (int64_t t = 0; t < n; ++t)
-    if (slots[t] < 0 || slots[t] >= num_slots) return t + 1;
-  char* dst = static_cast<char*>(cache_rows);
-  const char* src = static_cast<const char*>(rows);
-  for (int64_t t = 0; t < n; ++t) std::memcpy(dst + slots[t] * row_bytes, src + t * rows_stride_bytes, row_bytes);
   return 0;
 }
 

@@ -34,7 +34,7 @@ import numpy as np
 log = logging.getLogger("kvpage")
 
 SOURCE = Path(__file__).with_name("native_cpu.cpp")
-ABI_VERSION = 3
+ABI_VERSION = 4
 #: Element types the kernels take, by numpy/torch dtype name (the C ``elem_type`` codes).
 ELEM_TYPES = {"float32": 0, "float16": 1, "bfloat16": 2}
 #: Largest head size the decode kernel takes (16 chunks of 16 floats), and its multiple.
@@ -113,7 +113,7 @@ def library() -> Optional[ctypes.CDLL]:
     lib.kvpage_prefill_attention.argtypes = [_i32, _p, _i64, _i64, _p, _p, _i64, _i64, _i64, _i64, _p, _i64, _p, _p,
                                              _i64, _i64, _f32, _i64, _f32, _p, _p, _i32]
     lib.kvpage_store_rows.restype = _i64
-    lib.kvpage_store_rows.argtypes = [_p, _i64, _i64, _p, _i64, _p, _i64]
+    lib.kvpage_store_rows.argtypes = [_p, _i64, _i64, _i64, _i64, _p, _i64, _i64, _p, _i64]
     return lib
 
 
@@ -193,12 +193,15 @@ def write_decode(lib: ctypes.CDLL, dtype_name: str, q: tuple, k: Optional[tuple]
                          f"{num_kv_heads} KV heads (code {code})")
 
 
-def store_rows(lib: ctypes.CDLL, cache_ptr: int, num_slots: int, row_bytes: int, rows_ptr: int, rows_stride: int,
-               slots: np.ndarray) -> None:
-    """``cache[slots[t]] = rows[t]`` (``row_bytes`` each; ``rows_stride`` bytes apart) for every
-    slot of the int64 C-contiguous ``slots``; raises ``IndexError`` before writing anything
-    when a slot is outside ``[0, num_slots)``."""
-    bad = lib.kvpage_store_rows(cache_ptr, num_slots, row_bytes, rows_ptr, rows_stride, slots.ctypes.data,
-                                slots.shape[0])
+def store_rows(lib: ctypes.CDLL, cache_ptr: int, cache_shape: tuple, elem_bytes: int, rows_ptr: int,
+               rows_strides: tuple, slots: np.ndarray) -> None:
+    """``cache[slots[t]] = rows[t]`` for every slot of the int64 C-contiguous ``slots``: the
+    cache ``[num_blocks, block_size, H_kv, D]`` contiguous, the rows ``[T, H_kv, D]`` with
+    ``(token, head)`` strides in elements (head_dim contiguous), both of ``elem_bytes``
+    elements. Raises ``IndexError`` before writing anything when a slot is outside the cache."""
+    num_blocks, block_size, num_kv_heads, head_dim = cache_shape
+    num_slots = num_blocks * block_size
+    bad = lib.kvpage_store_rows(cache_ptr, num_slots, num_kv_heads, head_dim, elem_bytes, rows_ptr, rows_strides[0],
+                                rows_strides[1], slots.ctypes.data, slots.shape[0])
     if bad:
         raise IndexError(f"KV slot {int(slots[bad - 1])} outside the cache ({num_slots} slots)")
