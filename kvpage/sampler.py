@@ -20,6 +20,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from .attention import native_cpu
 from .core.request import Request
 from .interfaces import SampleResult
 from .outputs import PromptTokenLogprob
@@ -201,5 +202,21 @@ def _check_rows(logits: torch.Tensor) -> tuple[list[int], torch.Tensor]:
     part of the vocabulary with -inf, which is fine): exactly the rows whose maximum is not
     finite, since the max propagates NaN. The argmax is the first maximal index, as
     ``torch.argmax``'s, so greedy rows reuse it."""
-    row_max, argmax = logits.max(dim=-1)
+    row_max, argmax = _row_max_argmax(logits)
     return torch.nonzero(~torch.isfinite(row_max)).flatten().tolist(), argmax
+
+
+def _row_max_argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``logits.max(dim=-1)``; through the native kernel where it is available, since
+    torch's indexed max is about twenty times slower than its plain ``amax`` on CPU (2.7 ms
+    for a batch of 64 rows of SmolLM2's 49152 logits, a few percent of a decode step)."""
+    lib = native_cpu.library()
+    if lib is None or logits.dtype != torch.float32 or logits.dim() != 2 or logits.shape[1] == 0 \
+            or logits.stride(1) != 1 or logits.shape[1] >= 2**31:
+        return logits.max(dim=-1)
+    rows = logits.shape[0]
+    row_max = torch.empty(rows, dtype=torch.float32)
+    argmax = torch.empty(rows, dtype=torch.int64)
+    native_cpu.row_argmax(lib, logits.data_ptr(), rows, logits.shape[1], logits.stride(0), row_max.data_ptr(),
+                          argmax.data_ptr(), torch.get_num_threads())
+    return row_max, argmax

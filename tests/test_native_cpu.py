@@ -217,3 +217,36 @@ def test_prefill_matches_reference(dtype, heads, kv_heads, head_dim, option, blo
                                       0.125, **opts)
     atol, rtol = TOL[dtype]
     np.testing.assert_allclose(out[2:].float().numpy(), want[2:], atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("cols", [1, 15, 16, 17, 49152])
+@pytest.mark.parametrize("strided", [False, True])
+def test_row_argmax_is_torch_max(cols, strided):
+    """Value and first index of each row's maximum, as ``torch.max(dim=-1)``: ties, rows of
+    -inf, NaN (first NaN wins) and +inf, contiguous and row-strided."""
+    from kvpage.sampler import _row_max_argmax
+    g = torch.Generator().manual_seed(cols)
+    full = torch.randint(-3, 4, (9, cols + 5 * strided), generator=g).float()  # small ints: many ties
+    x = full[:, :cols]
+    x[0] = float("-inf")
+    x[1, cols // 2] = float("inf")
+    x[2, cols - 1] = float("nan")
+    x[3, cols // 3] = float("nan")
+    x[3, -1] = float("nan")
+    x[4, :] = 2.0
+    row_max, index = _row_max_argmax(x)
+    want_max, want_index = x.max(dim=-1)
+    assert torch.equal(index, want_index)
+    assert torch.allclose(row_max, want_max, equal_nan=True)
+
+
+def test_sampler_greedy_tokens_without_the_library(monkeypatch):
+    """The sampler's argmax falls back to torch (and agrees) without the native library,
+    and for logits the kernel does not take (float64, column-strided)."""
+    from kvpage.sampler import _row_max_argmax
+    x = torch.randn(6, 300, generator=torch.Generator().manual_seed(1))
+    native = _row_max_argmax(x)[1]
+    assert torch.equal(_row_max_argmax(x.double())[1], native)
+    assert torch.equal(_row_max_argmax(x.t().contiguous().t())[1], native)
+    monkeypatch.setattr(native_cpu, "library", lambda: None)
+    assert torch.equal(_row_max_argmax(x)[1], native)

@@ -1,4 +1,5 @@
-// kvpage native CPU kernels: paged decode attention and KV row stores (AVX-512).
+// kvpage native CPU kernels: paged decode attention, KV row stores and the logits' row
+// argmax (AVX-512).
 //
 // Built on first use by native_cpu.py (g++ -O3 -march=native -fopenmp) and loaded with
 // ctypes; the contract of every entry point is documented there and in
@@ -583,12 +584,52 @@ void prefill_typed(const PrefillArgs& a, const std::vector<PrefillItem>& items, 
   }
 }
 
+
+// ---- Greedy sampling: each logits row's maximum and first maximal index -----------------
+//
+// torch's max(dim=-1) with indices ran at about a twentieth of amax's speed on this
+// project's machines (2.7 ms for a [64, 49152] float32 batch, longer than a decode step's
+// attention for one layer); one pass here keeps per-lane maxima and their first indices.
+
+void row_argmax(const float* x, int64_t cols, float* out_max, int64_t* out_idx) {
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 best = neg_inf;
+  __m512i best_idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512i idx = best_idx;
+  const __m512i step = _mm512_set1_epi32(16);
+  __mmask16 nan = 0;
+  for (int64_t j = 0; j < cols; j += 16) {
+    const __mmask16 live = cols - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (cols - j)) - 1);
+    const __m512 v = _mm512_mask_loadu_ps(neg_inf, live, x + j);
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    const __mmask16 greater = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);  // strict: a lane keeps its first maximum
+    best = _mm512_mask_mov_ps(best, greater, v);
+    best_idx = _mm512_mask_mov_epi32(best_idx, greater, idx);
+    idx = _mm512_add_epi32(idx, step);
+  }
+  if (nan) {  // torch's max propagates NaN; the index is then that of the first NaN
+    for (int64_t j = 0; j < cols; ++j)
+      if (std::isnan(x[j])) {
+        *out_max = x[j];
+        *out_idx = j;
+        return;
+      }
+  }
+  const float m = _mm512_reduce_max_ps(best);
+  const __mmask16 ties = _mm512_cmp_ps_mask(best, _mm512_set1_ps(m), _CMP_EQ_OQ);
+  // Among the lanes holding the maximum, the smallest index is the row's first maximum
+  // (an all -inf row has every lane tied at its own lane index, so it gives 0).
+  const __m512i big = _mm512_set1_epi32(std::numeric_limits<int32_t>::max());
+  *out_max = m;
+  *out_idx = _mm512_reduce_min_epi32(_mm512_mask_mov_epi32(big, ties, best_idx));
+}
+
 }  // namespace
 
 extern "C" {
 
 // Version of this file's C interface; native_cpu.py refuses a library that differs.
-int kvpage_native_abi() { return 4; }
+int kvpage_native_abi() { return 5; }
 
 // Paged decode attention (see native_cpu.decode_attention). Returns 0, or a negative code
 // for shapes this kernel does not take (the caller checks them first).
@@ -690,6 +731,15 @@ int kvpage_prefill_attention(int elem_type, const void* q, int64_t q_stride_toke
     default: return -2;
   }
   return 0;
+}
+
+// For each of `rows` float32 rows (`cols` values each, `row_stride` elements apart): its
+// maximum and the index of its first maximal value, as torch.max(dim=-1) gives them (NaN
+// propagates, its index is the first NaN's). cols < 2^31.
+void kvpage_row_argmax(const float* x, int64_t rows, int64_t cols, int64_t row_stride, float* out_max,
+                       int64_t* out_idx, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows > 1)
+  for (int64_t r = 0; r < rows; ++r) row_argmax(x + r * row_stride, cols, out_max + r, out_idx + r);
 }
 
 }  // extern "C"

@@ -1,4 +1,4 @@
-"""Native CPU kernels (``native_cpu.cpp``): paged decode attention and KV row stores.
+"""Native CPU kernels (``native_cpu.cpp``): paged attention, KV row stores, logits argmax.
 
 Built on first use with the system C++ compiler (``g++ -O3 -march=native -fopenmp``, the
 toolchain ``torch.compile`` already needs on CPU) into
@@ -34,7 +34,7 @@ import numpy as np
 log = logging.getLogger("kvpage")
 
 SOURCE = Path(__file__).with_name("native_cpu.cpp")
-ABI_VERSION = 4
+ABI_VERSION = 5
 #: Element types the kernels take, by numpy/torch dtype name (the C ``elem_type`` codes).
 ELEM_TYPES = {"float32": 0, "float16": 1, "bfloat16": 2}
 #: Largest head size the decode kernel takes (16 chunks of 16 floats), and its multiple.
@@ -114,6 +114,8 @@ def library() -> Optional[ctypes.CDLL]:
                                              _i64, _i64, _f32, _i64, _f32, _p, _p, _i32]
     lib.kvpage_store_rows.restype = _i64
     lib.kvpage_store_rows.argtypes = [_p, _i64, _i64, _i64, _i64, _p, _i64, _i64, _p, _i64]
+    lib.kvpage_row_argmax.restype = None
+    lib.kvpage_row_argmax.argtypes = [_p, _i64, _i64, _i64, _p, _p, _i32]
     return lib
 
 
@@ -205,3 +207,14 @@ def store_rows(lib: ctypes.CDLL, cache_ptr: int, cache_shape: tuple, elem_bytes:
                                 rows_strides[1], slots.ctypes.data, slots.shape[0])
     if bad:
         raise IndexError(f"KV slot {int(slots[bad - 1])} outside the cache ({num_slots} slots)")
+
+
+def row_argmax(lib: ctypes.CDLL, rows_ptr: int, num_rows: int, num_cols: int, row_stride: int, max_ptr: int,
+               index_ptr: int, num_threads: int) -> None:
+    """Each float32 row's maximum (into ``max_ptr``, float32 ``[num_rows]``) and the index of
+    its first maximal value (``index_ptr``, int64 ``[num_rows]``), as ``torch.max(dim=-1)``:
+    a row holding NaN gets NaN and its first NaN's index. Rows are ``row_stride`` elements
+    apart, ``num_cols`` contiguous values each; ``0 < num_cols < 2**31``."""
+    if not 0 < num_cols < 2**31:
+        raise ValueError(f"row_argmax takes 1 to 2**31 - 1 columns, not {num_cols}")
+    lib.kvpage_row_argmax(rows_ptr, num_rows, num_cols, row_stride, max_ptr, index_ptr, num_threads)
