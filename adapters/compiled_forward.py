@@ -4,7 +4,8 @@ Attention runs as the ``kvpage::paged_attention`` custom op (``paged_attention_o
 dynamo traces the whole HF forward into one graph without breaks. Shapes are dynamic in
 the token count ``T`` and the sampled-row count ``S``, so one compilation serves every
 step; both are padded up to ``MIN_ROWS`` because dynamo specialises sizes 0 and 1 (a
-second graph otherwise). Compilation happens once, at engine start-up (``warm_up``),
+second graph otherwise). Before inductor, ``graph_passes`` makes sibling oneDNN linears
+(q/k/v, gate/up) one matmul and has the rotary tables computed once per step. Compilation happens once, at engine start-up (``warm_up``),
 and inductor's caches live on disk under ``$KVPAGE_CACHE/inductor`` (``~/.cache/kvpage``),
 so a restart reuses the generated code.
 """
@@ -16,6 +17,8 @@ import time
 from typing import Callable
 
 import torch
+
+from .graph_passes import kvpage_inductor
 
 log = logging.getLogger("kvpage.compile")
 
@@ -46,7 +49,7 @@ class CompiledForward:
         _use_disk_cache()
         self.model = model
         self.takes_logits_to_keep = takes_logits_to_keep
-        self._compiled: Callable = torch.compile(self._forward, dynamic=True)
+        self._compiled: Callable = torch.compile(self._forward, dynamic=True, backend=kvpage_inductor)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         kwargs = dict(input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0), use_cache=False)

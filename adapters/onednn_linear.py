@@ -28,6 +28,15 @@ import torch
 
 # weight.data_ptr() -> its oneDNN-reordered copy, for every weight currently swapped.
 _REORDERED: dict[int, torch.Tensor] = {}
+# (member weights' data_ptrs) -> (reordered concatenation, concatenated bias or None), for
+# the fused sibling linears of the compiled graph (``graph_passes``); an entry goes when
+# any member is released or its address is swapped again.
+_FUSED: dict[tuple[int, ...], tuple[torch.Tensor, Optional[torch.Tensor]]] = {}
+
+
+def _forget_fused(weight_ptr: int) -> None:
+    for key in [k for k in _FUSED if weight_ptr in k]:
+        del _FUSED[key]
 
 
 @torch.library.custom_op("kvpage::onednn_linear", mutates_args=())
@@ -41,6 +50,34 @@ def _(x, weight, bias):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
+def fused_weight(weights: list[torch.Tensor], biases: list[torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The reordered concatenation of ``weights`` (and of ``biases``, or None), packed on
+    first use: the members' weights must be swapped (``OneDnnLinear``)."""
+    key = tuple(w.data_ptr() for w in weights)
+    entry = _FUSED.get(key)
+    if entry is None:
+        if any(k not in _REORDERED for k in key):
+            raise RuntimeError("a fused linear's member weight is not swapped for oneDNN")
+        with torch.no_grad():
+            packed = torch.ops.mkldnn._reorder_linear_weight(torch.cat([w.detach() for w in weights]), None)
+            bias = torch.cat([b.detach() for b in biases]) if biases else None
+        entry = _FUSED[key] = (packed, bias)
+    return entry
+
+
+@torch.library.custom_op("kvpage::onednn_linear_fused", mutates_args=())
+def onednn_linear_fused(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat([F.linear(x, w, b) for w, b in ...], -1)`` as one oneDNN matmul
+    (``biases`` empty: none)."""
+    packed, bias = fused_weight(weights, biases)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@onednn_linear_fused.register_fake
+def _(x, weights, biases):
+    return x.new_empty((*x.shape[:-1], sum(w.shape[0] for w in weights)))
+
+
 class OneDnnLinear(torch.nn.Module):
     """``nn.Linear``'s forward on a oneDNN-reordered weight (inference only)."""
 
@@ -49,6 +86,7 @@ class OneDnnLinear(torch.nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
+        _forget_fused(linear.weight.data_ptr())
         with torch.no_grad():
             _REORDERED[linear.weight.data_ptr()] = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
         self.original = [linear]  # a list, so the original is not registered as a child module
@@ -60,6 +98,7 @@ class OneDnnLinear(torch.nn.Module):
 
     def release(self) -> None:
         _REORDERED.pop(self.weight.data_ptr(), None)
+        _forget_fused(self.weight.data_ptr())
 
 
 def onednn_available(model: torch.nn.Module) -> bool:

@@ -564,6 +564,206 @@ void prefill_item(const PrefillArgs& a, const PrefillItem& it, std::vector<float
     }
 }
 
+
+// ---- Prefill as small matmuls: the fast path for the head sizes models use --------------
+//
+// prefill_item above gets each row's 16 scores from 16 dot products and a transpose-and-add
+// tree, and sums V rows with one broadcast FMA per key and 16 values. Here each 64-key
+// chunk is first laid out once per item for the vector unit: K transposed into
+// (dim, key) words and V into (key, dim) words, so QK^T for 4 rows x 64 keys is 16
+// accumulator updates per dim with no horizontal sums, and P.V updates several rows per V
+// load. A word is one fp32 value, or on bf16 with AVX512-BF16 a pair of bf16 values for
+// vdpbf16ps: two dims of a key in K^T, two keys of a dim in V (P is then rounded to bf16,
+// as torch's CPU flash attention does for bf16). fp16 and bf16 without that extension are
+// widened to fp32 words as the chunk is laid out.
+
+constexpr int64_t kRowBlock = 4;  // query rows per QK^T register block (16 accumulators)
+
+// Word-wise multiply-add: acc += x * y over one word per lane (a bf16 pair: both products).
+template <bool kPaired>
+inline __m512 word_fma(__m512 acc, __m512i x, __m512i y) {
+#if defined(__AVX512BF16__)
+  if constexpr (kPaired) return _mm512_dpbf16_ps(acc, (__m512bh)x, (__m512bh)y);
+#endif
+  return _mm512_fmadd_ps(_mm512_castsi512_ps(x), _mm512_castsi512_ps(y), acc);
+}
+
+template <int T, int D16>
+void prefill_item_mm(const PrefillArgs& a, const PrefillItem& it, std::vector<uint32_t>& words,
+                     std::vector<float>& floats) {
+  constexpr bool kPaired = T == kBF16 && kHaveBf16Dot && D16 % 2 == 0;
+  constexpr int64_t kD = D16 * 16;
+  constexpr int64_t kQWords = kPaired ? kD / 2 : kD;                 // words per query row and K^T rows
+  constexpr int64_t kKeySteps = kPaired ? kKeyChunk / 2 : kKeyChunk;  // V rows of words, P words per row
+  constexpr int64_t kPvRows = D16 >= 16 ? 1 : 16 / D16;               // rows per P.V register block
+  const int64_t group = a.num_heads / a.num_kv_heads;
+  const int64_t q0 = a.query_start_loc[it.seq], q_len = a.query_start_loc[it.seq + 1] - q0;
+  const int64_t seq_len = a.seq_lens[it.seq], first_pos = seq_len - q_len;
+  const int64_t rows = it.rows * group;
+  const int64_t padded = (rows + kRowBlock - 1) / kRowBlock * kRowBlock;
+  // words: queries [padded][kQWords] | K^T [kQWords][kKeyChunk] | V [kKeySteps][kD] | P [padded][kKeySteps]
+  words.assign(padded * kQWords + kQWords * kKeyChunk + kKeySteps * kD + padded * kKeySteps, 0u);
+  uint32_t* qw = words.data();
+  uint32_t* kt = qw + padded * kQWords;
+  uint32_t* vw = kt + kQWords * kKeyChunk;
+  uint32_t* pw = vw + kKeySteps * kD;
+  // floats: accumulators [padded][kD] | (max, denominator, alpha) per row
+  floats.assign(padded * kD + 3 * padded, 0.0f);
+  float* acc = floats.data();
+  float* stats = acc + padded * kD;
+  for (int64_t m = 0; m < padded; ++m) {
+    stats[3 * m] = -std::numeric_limits<float>::infinity();
+    if (m >= rows) continue;  // padding rows: zero queries, never written out
+    const int64_t r = m / group, hq = it.head * group + m % group;
+    const int64_t src = (q0 + it.row0 + r) * a.q_stride_token + hq * a.q_stride_head;
+    if constexpr (kPaired) {
+      std::memcpy(qw + m * kQWords, static_cast<const uint16_t*>(a.q) + src, kD * 2);
+    } else {
+      for (int64_t c = 0; c < D16; ++c) _mm512_storeu_ps(reinterpret_cast<float*>(qw + m * kQWords) + 16 * c,
+                                                         load16<T>(a.q, src + 16 * c));
+    }
+  }
+  const int64_t lo_pos = first_pos + it.row0, hi_pos = lo_pos + it.rows - 1;
+  const int64_t k_lo = a.window > 0 ? std::max<int64_t>(0, lo_pos - a.window + 1) : 0;
+  const int32_t* table = a.block_tables + it.seq * a.table_stride;
+  const int64_t row_elems = a.num_kv_heads * kD;
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512 scale = _mm512_set1_ps(a.scale);
+  // Word i of the interleave of bf16 vectors x, y: (x[i], y[i]) for the low 16, then the high 16.
+  const __m512i pair_lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                           37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i pair_hi = _mm512_add_epi16(pair_lo, _mm512_set1_epi16(16));
+  int64_t offs[kKeyChunk];
+  for (int64_t base = k_lo / kKeyChunk * kKeyChunk; base <= hi_pos; base += kKeyChunk) {
+    const int64_t n = std::min(kKeyChunk, seq_len - base);
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t t = base + j;
+      offs[j] = (static_cast<int64_t>(table[t / a.block_size]) * a.block_size + t % a.block_size) * row_elems +
+                it.head * kD;
+    }
+    // K^T: kt[c][j] is word c of key j (dims 2c, 2c+1 when paired); V: vw[s][d] is dim d
+    // of key s (keys 2s, 2s+1 when paired). Keys past n are zero, so P.V adds nothing for them.
+    if constexpr (kPaired) {
+      const uint16_t* kc = static_cast<const uint16_t*>(a.key_cache);
+      const uint16_t* vc = static_cast<const uint16_t*>(a.value_cache);
+      for (int64_t j = 0; j < kKeyChunk; ++j) {
+        const uint32_t* krow = reinterpret_cast<const uint32_t*>(kc + offs[std::min(j, n - 1)]);
+        for (int64_t c = 0; c < kQWords; ++c) kt[c * kKeyChunk + j] = j < n ? krow[c] : 0u;
+      }
+      const __m512i zero = _mm512_setzero_si512();
+      for (int64_t sp = 0; sp < kKeySteps; ++sp) {
+        const int64_t j = 2 * sp;
+        for (int64_t c = 0; c < kD / 32; ++c) {
+          const __m512i x = j < n ? _mm512_loadu_si512(vc + offs[j] + 32 * c) : zero;
+          const __m512i y = j + 1 < n ? _mm512_loadu_si512(vc + offs[j + 1] + 32 * c) : zero;
+          _mm512_storeu_si512(vw + sp * kD + 32 * c, _mm512_permutex2var_epi16(x, pair_lo, y));
+          _mm512_storeu_si512(vw + sp * kD + 32 * c + 16, _mm512_permutex2var_epi16(x, pair_hi, y));
+        }
+      }
+    } else {
+      alignas(64) float krow[kD];
+      for (int64_t j = 0; j < kKeyChunk; ++j) {
+        float* vrow = reinterpret_cast<float*>(vw + j * kD);
+        for (int64_t c = 0; c < D16; ++c) {
+          const bool live = j < n;
+          _mm512_store_ps(krow + 16 * c, live ? load16<T>(a.key_cache, offs[j] + 16 * c) : _mm512_setzero_ps());
+          _mm512_storeu_ps(vrow + 16 * c, live ? load16<T>(a.value_cache, offs[j] + 16 * c) : _mm512_setzero_ps());
+        }
+        float* ktf = reinterpret_cast<float*>(kt);
+        for (int64_t d = 0; d < kD; ++d) ktf[d * kKeyChunk + j] = krow[d];
+      }
+    }
+    // Scores, softmax step and probabilities (as P words), four rows at a time.
+    for (int64_t m0 = 0; m0 < padded; m0 += kRowBlock) {
+      __m512 sc[kRowBlock][kKeyChunk / 16];
+      for (int64_t r = 0; r < kRowBlock; ++r)
+        for (int64_t v = 0; v < kKeyChunk / 16; ++v) sc[r][v] = _mm512_setzero_ps();
+      for (int64_t c = 0; c < kQWords; ++c) {
+        __m512i kv[kKeyChunk / 16];
+        for (int64_t v = 0; v < kKeyChunk / 16; ++v) kv[v] = _mm512_loadu_si512(kt + c * kKeyChunk + 16 * v);
+        for (int64_t r = 0; r < kRowBlock; ++r) {
+          const __m512i qb = _mm512_set1_epi32(static_cast<int>(qw[(m0 + r) * kQWords + c]));
+          for (int64_t v = 0; v < kKeyChunk / 16; ++v) sc[r][v] = word_fma<kPaired>(sc[r][v], qb, kv[v]);
+        }
+      }
+      for (int64_t r = 0; r < kRowBlock; ++r) {
+        const int64_t m = m0 + r;
+        float* st = stats + 3 * m;
+        st[2] = 1.0f;  // alpha: no rescale unless the max moves
+        uint32_t* prow = pw + m * kKeySteps;
+        const int64_t pos = lo_pos + std::min(m, rows - 1) / group;
+        const int64_t last = std::min<int64_t>(n - 1, pos - base);
+        const int64_t first = a.window > 0 ? std::max<int64_t>(0, pos - a.window + 1 - base) : 0;
+        if (m >= rows || last < 0 || first > last) {
+          std::memset(prow, 0, kKeySteps * sizeof(uint32_t));
+          continue;
+        }
+        __m512 mx = neg_inf;
+        __mmask16 visible[kKeyChunk / 16];
+        for (int64_t v = 0; v < kKeyChunk / 16; ++v) {
+          __m512 x = _mm512_mul_ps(sc[r][v], scale);
+          if (a.softcap > 0) {
+            alignas(64) float tmp[16];
+            _mm512_store_ps(tmp, x);
+            for (int j = 0; j < 16; ++j) tmp[j] = a.softcap * std::tanh(tmp[j] / a.softcap);
+            x = _mm512_load_ps(tmp);
+          }
+          const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(16 * v)));
+          visible[v] = _mm512_cmp_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(first)), _MM_CMPINT_NLT) &
+                       _mm512_cmp_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(last)), _MM_CMPINT_LE);
+          sc[r][v] = _mm512_mask_mov_ps(neg_inf, visible[v], x);
+          mx = _mm512_max_ps(mx, sc[r][v]);
+        }
+        const float m_old = st[0], m_new = std::max(m_old, _mm512_reduce_max_ps(mx));
+        const __m512 mv = _mm512_set1_ps(m_new);
+        __m512 total = _mm512_setzero_ps();
+        for (int64_t v = 0; v < kKeyChunk / 16; v += 2) {
+          const __m512 p0 = _mm512_maskz_mov_ps(visible[v], exp_nonpositive(_mm512_sub_ps(sc[r][v], mv)));
+          const __m512 p1 = _mm512_maskz_mov_ps(visible[v + 1], exp_nonpositive(_mm512_sub_ps(sc[r][v + 1], mv)));
+          total = _mm512_add_ps(total, _mm512_add_ps(p0, p1));
+#if defined(__AVX512BF16__)
+          if constexpr (kPaired) {
+            _mm512_storeu_si512(prow + 8 * v, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));  // keys 16v .. 16v+31
+            continue;
+          }
+#endif
+          _mm512_storeu_ps(reinterpret_cast<float*>(prow) + 16 * v, p0);
+          _mm512_storeu_ps(reinterpret_cast<float*>(prow) + 16 * v + 16, p1);
+        }
+        st[2] = m_old == m_new ? 1.0f : exp_nonpositive_scalar(m_old - m_new);
+        st[0] = m_new;
+        st[1] = st[1] * st[2] + _mm512_reduce_add_ps(total);
+      }
+    }
+    // acc = acc * alpha + P.V, kPvRows rows per V load.
+    const int64_t steps = kPaired ? (n + 1) / 2 : n;
+    for (int64_t m0 = 0; m0 < padded; m0 += kPvRows) {
+      const int64_t block = std::min(kPvRows, padded - m0);
+      __m512 o[kPvRows][D16];
+      for (int64_t r = 0; r < block; ++r) {
+        const __m512 al = _mm512_set1_ps(stats[3 * (m0 + r) + 2]);
+        for (int64_t c = 0; c < D16; ++c) o[r][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + (m0 + r) * kD + 16 * c), al);
+      }
+      for (int64_t sp = 0; sp < steps; ++sp) {
+        __m512i vv[D16];
+        for (int64_t c = 0; c < D16; ++c) vv[c] = _mm512_loadu_si512(vw + sp * kD + 16 * c);
+        for (int64_t r = 0; r < block; ++r) {
+          const __m512i pb = _mm512_set1_epi32(static_cast<int>(pw[(m0 + r) * kKeySteps + sp]));
+          for (int64_t c = 0; c < D16; ++c) o[r][c] = word_fma<kPaired>(o[r][c], pb, vv[c]);
+        }
+      }
+      for (int64_t r = 0; r < block; ++r)
+        for (int64_t c = 0; c < D16; ++c) _mm512_storeu_ps(acc + (m0 + r) * kD + 16 * c, o[r][c]);
+    }
+  }
+  for (int64_t m = 0; m < rows; ++m) {
+    const int64_t r = m / group, hq = it.head * group + m % group;
+    normalize_row<T>(acc + m * kD, stats[3 * m], stats[3 * m + 1], a.sinks, hq, kD, a.out,
+                     ((q0 + it.row0 + r) * a.num_heads + hq) * kD);
+  }
+}
+
 template <int T, int D16>
 void prefill_all(const PrefillArgs& a, const std::vector<PrefillItem>& items, int num_threads) {
 #pragma omp parallel num_threads(num_threads)
@@ -575,8 +775,27 @@ void prefill_all(const PrefillArgs& a, const std::vector<PrefillItem>& items, in
   }
 }
 
+template <int T, int D16>
+void prefill_all_mm(const PrefillArgs& a, const std::vector<PrefillItem>& items, int num_threads) {
+#pragma omp parallel num_threads(num_threads)
+  {
+    std::vector<uint32_t> words;
+    std::vector<float> floats;
+#pragma omp for schedule(dynamic, 1)
+    for (size_t k = 0; k < items.size(); ++k) prefill_item_mm<T, D16>(a, items[k], words, floats);
+  }
+}
+
 template <int T>
 void prefill_typed(const PrefillArgs& a, const std::vector<PrefillItem>& items, int num_threads) {
+  switch (a.head_dim) {  // the matmul-shaped kernel for the head sizes models use
+    case 32: return prefill_all_mm<T, 2>(a, items, num_threads);
+    case 64: return prefill_all_mm<T, 4>(a, items, num_threads);
+    case 96: return prefill_all_mm<T, 6>(a, items, num_threads);
+    case 128: return prefill_all_mm<T, 8>(a, items, num_threads);
+    case 256: return prefill_all_mm<T, 16>(a, items, num_threads);
+    default: break;
+  }
   switch (a.head_dim) {
     case 64: prefill_all<T, 4>(a, items, num_threads); break;
     case 128: prefill_all<T, 8>(a, items, num_threads); break;

@@ -1,0 +1,136 @@
+"""Rewrites of the compiled forward's dynamo graph, before inductor sees it.
+
+Two passes, each a measured fix for code inductor generates from HF modules on CPU:
+``fuse_sibling_linears`` (below) and ``realize_rotary_tables``.
+
+**Sibling linears as one matmul: q/k/v, and gate/up.**
+
+HF modules call ``q_proj``, ``k_proj`` and ``v_proj`` (and an MLP's ``gate_proj`` and
+``up_proj``) one after another on the same input. vLLM's model code merges them into one
+weight (``QKVParallelLinear``, ``MergedColumnParallelLinear``); kvpage cannot change the
+model's code, so it merges them in the traced graph instead: ``fuse_sibling_linears``
+rewrites every set of ``kvpage::onednn_linear`` calls on one input into a single
+``kvpage::onednn_linear_fused`` call whose output columns are the members' outputs side by
+side, each member's use reading its column range.
+
+Why (measured, ``benchmarks/bench_vs_vllm.py`` reports it end to end): on this project's
+2-core machines, SmolLM2's five linears per layer on a bf16 batch of 16 rows took 355 us
+separately and 260 us fused (1 row: 168 vs 100 us; 64 rows: 810 vs 730 us); each custom-op
+call also costs tens of microseconds of dispatch, and a decode step has 211 of them.
+
+The fused weight is packed on first use (``onednn_linear.fused_weight``) and lives as long
+as the members' oneDNN copies. The rewrite is numerically the same matmul per output
+column, but oneDNN may block a wider matmul differently, so, like the oneDNN linears
+themselves, it is not bit-exact against separate calls.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from .onednn_linear import onednn_linear  # registers kvpage::onednn_linear_fused too
+
+_LINEAR_TARGETS = (onednn_linear, torch.ops.kvpage.onednn_linear, torch.ops.kvpage.onednn_linear.default)
+
+
+def _linear_call(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and node.target in _LINEAR_TARGETS and len(node.args) == 3 and not node.kwargs
+
+
+def _out_features(weight: torch.fx.Node) -> int:
+    value = weight.meta.get("example_value")
+    return int(value.shape[0]) if value is not None else -1
+
+
+def fuse_sibling_linears(gm: torch.fx.GraphModule) -> int:
+    """Rewrite ``gm`` in place (a dynamo graph); returns how many fused calls it made.
+
+    A group is every ``kvpage::onednn_linear`` call on one input node whose weights'
+    shapes are known, with biases on all members or none. The fused call goes where the
+    group's first member was; weight nodes defined later (``get_attr``) move up to it.
+    """
+    groups: dict[torch.fx.Node, list[torch.fx.Node]] = defaultdict(list)
+    for node in gm.graph.nodes:
+        if _linear_call(node) and isinstance(node.args[0], torch.fx.Node):
+            groups[node.args[0]].append(node)
+    fused_calls = 0
+    for x, members in groups.items():
+        widths = [_out_features(m.args[1]) for m in members]
+        with_bias = [m.args[2] is not None for m in members]
+        if len(members) < 2 or min(widths) <= 0 or any(with_bias) != all(with_bias):
+            continue
+        first = members[0]
+        for m in members:
+            for arg in m.args[1:]:
+                if isinstance(arg, torch.fx.Node) and arg.op == "get_attr":
+                    first.prepend(arg)  # no inputs, so safe to define earlier
+        weights = [m.args[1] for m in members]
+        biases = [m.args[2] for m in members] if all(with_bias) else []
+        with gm.graph.inserting_before(first):
+            fused = gm.graph.call_function(torch.ops.kvpage.onednn_linear_fused.default, (x, weights, biases))
+            parts, start = [], 0
+            for width in widths:
+                parts.append(gm.graph.call_function(torch.narrow, (fused, -1, start, width)))
+                start += width
+        for member, part in zip(members, parts):
+            member.replace_all_uses_with(part)
+            gm.graph.erase_node(member)
+        fused_calls += 1
+    if fused_calls:
+        gm.graph.lint()
+        gm.recompile()
+    return fused_calls
+
+
+@torch.library.custom_op("kvpage::realized", mutates_args=())
+def realized(x: torch.Tensor) -> torch.Tensor:
+    """A copy of ``x`` that inductor must compute into a buffer (it cannot fuse through an
+    opaque op), so its consumers load it instead of recomputing it."""
+    return x.clone()
+
+
+@realized.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+_TRIG = {"cos", "sin"}
+
+
+def _trig_call(node: torch.fx.Node) -> bool:
+    if node.op == "call_method":
+        return node.target in _TRIG
+    return node.op == "call_function" and node.target in (torch.cos, torch.sin)
+
+
+def realize_rotary_tables(gm: torch.fx.GraphModule) -> int:
+    """Put every ``cos``/``sin`` of the graph behind ``kvpage::realized``; returns how many.
+
+    HF models compute the rotary tables once per forward and hand them to every layer;
+    inductor inlines cheap pointwise values into each consumer, so each layer's rotary
+    kernel evaluated cos and sin again for every query and key element: in SmolLM2's
+    2048-token prefill, 1.6 ms per layer (30 layers), against one table of 2048 x 64
+    computed once.
+    """
+    count = 0
+    for node in list(gm.graph.nodes):
+        if not _trig_call(node):
+            continue
+        with gm.graph.inserting_after(node):
+            table = gm.graph.call_function(torch.ops.kvpage.realized.default, (node,))
+        node.replace_all_uses_with(table, delete_user_cb=lambda user: user is not table)
+        count += 1
+    if count:
+        gm.graph.lint()
+        gm.recompile()
+    return count
+
+
+def kvpage_inductor(gm: torch.fx.GraphModule, example_inputs):
+    """A ``torch.compile`` backend: this module's passes, then inductor."""
+    from torch._inductor.compile_fx import compile_fx
+
+    fuse_sibling_linears(gm)
+    realize_rotary_tables(gm)
+    return compile_fx(gm, example_inputs)
