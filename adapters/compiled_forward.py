@@ -29,7 +29,12 @@ WARM_UP_TOKENS = (16, 128, MIN_ROWS)  # distinct T and S first: equal sizes woul
 
 
 def _use_disk_cache() -> None:
-    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    # Inductor writes its default (under /tmp) into the environment the first time it asks,
+    # so a value equal to that default was not the user's choice.
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if current is None or os.path.abspath(current) == os.path.abspath(default_cache_dir()):
         from kvpage.model_registry import cache_root
 
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_root() / "inductor")
