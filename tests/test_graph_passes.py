@@ -1,0 +1,133 @@
+"""The compiled forward's graph passes (``kvpage.adapters.graph_passes``): sibling oneDNN
+linears fused into one matmul, rotary tables realized once; each checked on the graph it
+rewrites and on the numbers it computes, then end to end against HF ``generate``."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvpage.adapters import graph_passes
+from kvpage.adapters.onednn_linear import _FUSED, onednn_available, use_onednn_linears
+
+pytestmark = pytest.mark.skipif(not onednn_available(torch.nn.Linear(4, 4)), reason="oneDNN unavailable")
+
+
+class Siblings(torch.nn.Module):
+    """q/k/v on one input (fusable), an MLP's gate/up on another, and a lone output linear."""
+
+    def __init__(self, bias_on_k_only: bool = False) -> None:
+        super().__init__()
+        self.q = torch.nn.Linear(32, 48, bias=False)
+        self.k = torch.nn.Linear(32, 16, bias=bias_on_k_only)
+        self.v = torch.nn.Linear(32, 16, bias=False)
+        self.gate = torch.nn.Linear(32, 64, bias=True)
+        self.up = torch.nn.Linear(32, 64, bias=True)
+        self.out = torch.nn.Linear(64, 32, bias=False)
+
+    def forward(self, x):
+        h = self.q(x)[:, :16] + self.k(x) * self.v(x)
+        y = x + h.repeat(1, 2)
+        return self.out(torch.nn.functional.silu(self.gate(y)) * self.up(y))
+
+
+def _compile_with(passes):
+    seen = {}
+
+    def backend(gm, example_inputs):
+        seen["counts"] = [p(gm) for p in passes]
+        seen["targets"] = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+        return gm.forward
+
+    return backend, seen
+
+
+def _run(module, passes, x):
+    torch._dynamo.reset()
+    backend, seen = _compile_with(passes)
+    with torch.inference_mode():
+        out = torch.compile(module, backend=backend, dynamic=True)(x)
+    return out, seen
+
+
+def test_sibling_linears_fuse_into_one_matmul_per_input():
+    torch.manual_seed(0)
+    model = Siblings()
+    x = torch.randn(5, 32)
+    with torch.inference_mode():
+        want = model(x)
+    before = set(_FUSED)
+    undo = use_onednn_linears(model)
+    try:
+        out, seen = _run(model, [graph_passes.fuse_sibling_linears], x)
+        assert seen["counts"] == [2]  # (q, k, v) and (gate, up) with their biases
+        fused = torch.ops.kvpage.onednn_linear_fused.default
+        assert seen["targets"].count(fused) == 2
+        assert seen["targets"].count(torch.ops.kvpage.onednn_linear.default) == 1  # `out` alone
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+        assert len(set(_FUSED) - before) == 2
+    finally:
+        undo()
+    assert set(_FUSED) <= before, "restoring the linears drops the fused weights"
+
+
+def test_members_with_and_without_bias_stay_separate():
+    torch.manual_seed(1)
+    model = Siblings(bias_on_k_only=True)
+    x = torch.randn(3, 32)
+    with torch.inference_mode():
+        want = model(x)
+    undo = use_onednn_linears(model)
+    try:
+        out, seen = _run(model, [graph_passes.fuse_sibling_linears], x)
+        assert seen["counts"] == [1]  # only gate/up
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    finally:
+        undo()
+
+
+def test_plain_linears_are_left_alone():
+    model = Siblings()
+    _, seen = _run(model, [graph_passes.fuse_sibling_linears], torch.randn(2, 32))
+    assert seen["counts"] == [0]
+
+
+def rotary_like(positions, inv_freq, x):
+    freqs = positions[:, None].float() * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos(), torch.sin(emb)
+    return x * cos + x.flip(-1) * sin, x * cos * 2
+
+
+def test_rotary_tables_are_realized_once():
+    positions = torch.arange(7)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8))
+    x = torch.randn(7, 8)
+    want = rotary_like(positions, inv_freq, x)
+    torch._dynamo.reset()
+    backend, seen = _compile_with([graph_passes.realize_rotary_tables])
+    out = torch.compile(rotary_like, backend=backend, dynamic=True)(positions, inv_freq, x)
+    assert seen["counts"] == [2]
+    assert seen["targets"].count(torch.ops.kvpage.realized.default) == 2
+    for got, ref in zip(out, want):
+        torch.testing.assert_close(got, ref)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: q/k/v with biases
+def test_compiled_onednn_greedy_matches_hf(family):
+    from kvpage import LLM, SamplingParams
+    from tiny_models import VOCAB, hf_greedy, tiny_model
+
+    model = tiny_model(family)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (1, 6, 19)]
+    expected = [hf_greedy(model, p, 8) for p in prompts]
+    before = set(_FUSED)
+    llm = LLM(model, block_size=4, num_kv_blocks=48, max_model_len=48, enforce_eager=False, onednn_linears=True)
+    try:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        assert set(_FUSED) - before, "the compiled forward ran the fused linears"
+    finally:
+        llm.restore()
+    assert set(_FUSED) <= before
