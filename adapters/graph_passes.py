@@ -13,10 +13,11 @@ rewrites every set of ``kvpage::onednn_linear`` calls on one input into a single
 ``kvpage::onednn_linear_fused`` call whose output columns are the members' outputs side by
 side, each member's use reading its column range.
 
-Why (measured, ``benchmarks/bench_vs_vllm.py`` reports it end to end): on this project's
-2-core machines, SmolLM2's five linears per layer on a bf16 batch of 16 rows took 355 us
-separately and 260 us fused (1 row: 168 vs 100 us; 64 rows: 810 vs 730 us); each custom-op
-call also costs tens of microseconds of dispatch, and a decode step has 211 of them.
+Why (measured, ``benchmarks/bench_cpu_forward_ops.py``, interleaved): on this project's
+2-core machines SmolLM2's five input-sharing linears of one layer took, separately against
+fused, 175 vs 103 us for one bf16 row, 390 vs 287 us for 16 rows and 1309 vs 1104 us for
+64 (fp32: 437/333, 1127/983, 2025/1854 us). Each custom-op call also costs tens of
+microseconds of dispatch, and a decode step had 211 of them.
 
 The fused weight is packed on first use (``onednn_linear.fused_weight``) and lives as long
 as the members' oneDNN copies. The rewrite is numerically the same matmul per output
