@@ -104,7 +104,17 @@ def kv_groups_of(model) -> int:
     """
     from kvpage.adapters.config_spec import kv_spec_from_config
 
-    return kv_spec_from_config(model.config, 4, "float32").kv_groups().num_groups
+    try:
+        return kv_spec_from_config(model.config, 4, "float32").kv_groups().num_groups
+    except ValueError:  # KV shared across layers: only a probe of the loaded model plans it
+        from kvpage.adapters.hf_runner import HFModelRunner
+        from kvpage.kv_storage import KVCacheSpec
+
+        runner = HFModelRunner(model)
+        try:
+            return KVCacheSpec(tuple(runner.layer_specs), 4, "float32").kv_groups().num_groups
+        finally:
+            runner.restore()
 
 
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
