@@ -5,9 +5,10 @@ dynamo traces the whole HF forward into one graph without breaks. Shapes are dyn
 the token count ``T`` and the sampled-row count ``S``, so one compilation serves every
 step; both are padded up to ``MIN_ROWS`` because dynamo specialises sizes 0 and 1 (a
 second graph otherwise). Before inductor, ``graph_passes`` makes sibling oneDNN linears
-(q/k/v, gate/up) one matmul and has the rotary tables computed once per step. Compilation happens once, at engine start-up (``warm_up``),
-and inductor's caches live on disk under ``$KVPAGE_CACHE/inductor`` (``~/.cache/kvpage``),
-so a restart reuses the generated code.
+(q/k/v, gate/up) one matmul and has the rotary tables computed once per step.
+Compilation happens once, at engine start-up (``warm_up``), and inductor's caches live on
+disk under ``$KVPAGE_CACHE/inductor`` (``~/.cache/kvpage``), so a restart reuses the
+generated code.
 """
 from __future__ import annotations
 

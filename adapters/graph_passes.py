@@ -21,9 +21,9 @@ microseconds of dispatch, and a decode step had 211 of them.
 
 The fused weight is packed on first use (``onednn_linear.fused_weight``) and lives as long
 as the members' oneDNN copies, which stay for the eager path: the fused weights' memory
-comes on top. The rewrite is numerically the same matmul per output
-column, but oneDNN may block a wider matmul differently, so, like the oneDNN linears
-themselves, it is not bit-exact against separate calls.
+comes on top. The rewrite is numerically the same matmul per output column, but oneDNN
+may block a wider matmul differently, so, like the oneDNN linears themselves, it is not
+bit-exact against separate calls.
 """
 from __future__ import annotations
 

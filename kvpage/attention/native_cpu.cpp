@@ -255,6 +255,15 @@ void partition_softmax(float* s, int64_t n, float softcap, float* max_, float* d
 // 128), so each V row is widened once per KV head and query-head chunk.
 constexpr int64_t kRowsInRegisters = 3;
 
+// The 32 bf16 values of x and of y as (x[i], y[i]) words: i < 16 into lo, the rest into hi
+// (the layout vdpbf16ps multiplies pairwise: two tokens of one dim).
+inline void interleave_bf16_pairs(__m512i x, __m512i y, __m512i& lo, __m512i& hi) {
+  const __m512i low_index = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38,
+                                             6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  lo = _mm512_permutex2var_epi16(x, low_index, y);
+  hi = _mm512_permutex2var_epi16(x, _mm512_add_epi16(low_index, _mm512_set1_epi16(16)), y);
+}
+
 #if defined(__AVX512BF16__)
 // partition_values on bf16 with AVX512-BF16: two tokens per vdpbf16ps. Each pair of V rows
 // is interleaved into (V[j][d], V[j+1][d]) words and the weights rounded to bf16 pairs (as
@@ -264,9 +273,6 @@ template <int D16>
 void partition_values_bf16(const DecodeArgs& a, const int64_t* offs, int64_t n, const float* scores, float* acc) {
   const int64_t group = a.num_heads / a.num_kv_heads, D = a.head_dim;
   const uint16_t* vc = static_cast<const uint16_t*>(a.value_cache);
-  const __m512i pair_lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
-                                           37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-  const __m512i pair_hi = _mm512_add_epi16(pair_lo, _mm512_set1_epi16(16));
   const int64_t pairs = (n + 1) / 2;
   for (int64_t h = 0; h < a.num_kv_heads; ++h) {
     for (int64_t g0 = 0; g0 < group; g0 += kRowsInRegisters) {
@@ -289,8 +295,7 @@ void partition_values_bf16(const DecodeArgs& a, const int64_t* offs, int64_t n, 
         for (int c = 0; c < D16 / 2; ++c) {
           const __m512i x = _mm512_loadu_si512(vc + offs[j] + h * D + 32 * c);
           const __m512i y = j + 1 < n ? _mm512_loadu_si512(vc + offs[j + 1] + h * D + 32 * c) : _mm512_setzero_si512();
-          vv[2 * c] = _mm512_permutex2var_epi16(x, pair_lo, y);
-          vv[2 * c + 1] = _mm512_permutex2var_epi16(x, pair_hi, y);
+          interleave_bf16_pairs(x, y, vv[2 * c], vv[2 * c + 1]);
         }
         for (int64_t g = 0; g < kRowsInRegisters; ++g) {
           if (g >= rows) break;
@@ -690,10 +695,6 @@ void prefill_item_mm(const PrefillArgs& a, const PrefillItem& it, std::vector<ui
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const __m512 scale = _mm512_set1_ps(a.scale);
-  // Word i of the interleave of bf16 vectors x, y: (x[i], y[i]) for the low 16, then the high 16.
-  const __m512i pair_lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
-                                           37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-  const __m512i pair_hi = _mm512_add_epi16(pair_lo, _mm512_set1_epi16(16));
   int64_t offs[kKeyChunk];
   for (int64_t base = k_lo / kKeyChunk * kKeyChunk; base <= hi_pos; base += kKeyChunk) {
     const int64_t n = std::min(kKeyChunk, seq_len - base);
@@ -717,8 +718,10 @@ void prefill_item_mm(const PrefillArgs& a, const PrefillItem& it, std::vector<ui
         for (int64_t c = 0; c < kD / 32; ++c) {
           const __m512i x = j < n ? _mm512_loadu_si512(vc + offs[j] + 32 * c) : zero;
           const __m512i y = j + 1 < n ? _mm512_loadu_si512(vc + offs[j + 1] + 32 * c) : zero;
-          _mm512_storeu_si512(vw + sp * kD + 32 * c, _mm512_permutex2var_epi16(x, pair_lo, y));
-          _mm512_storeu_si512(vw + sp * kD + 32 * c + 16, _mm512_permutex2var_epi16(x, pair_hi, y));
+          __m512i lo, hi;
+          interleave_bf16_pairs(x, y, lo, hi);
+          _mm512_storeu_si512(vw + sp * kD + 32 * c, lo);
+          _mm512_storeu_si512(vw + sp * kD + 32 * c + 16, hi);
         }
       }
     } else {
@@ -824,42 +827,39 @@ void prefill_item_mm(const PrefillArgs& a, const PrefillItem& it, std::vector<ui
   }
 }
 
-template <int T, int D16>
+// Per-thread buffers of the two prefill kernels (each uses its own pair).
+struct PrefillScratch {
+  std::vector<float> floats;
+  std::vector<uint16_t> halves;  // prefill_item's raw bf16 queries
+  std::vector<uint32_t> words;   // prefill_item_mm's laid-out chunk
+};
+
+// Every item on the thread pool, longest first as listed; kMatmul picks the kernel.
+template <int T, int D16, bool kMatmul>
 void prefill_all(const PrefillArgs& a, const std::vector<PrefillItem>& items, int num_threads) {
 #pragma omp parallel num_threads(num_threads)
   {
-    std::vector<float> scratch;
-    std::vector<uint16_t> qraw;
+    PrefillScratch w;
 #pragma omp for schedule(dynamic, 1)
-    for (size_t k = 0; k < items.size(); ++k) prefill_item<T, D16>(a, items[k], scratch, qraw);
-  }
-}
-
-template <int T, int D16>
-void prefill_all_mm(const PrefillArgs& a, const std::vector<PrefillItem>& items, int num_threads) {
-#pragma omp parallel num_threads(num_threads)
-  {
-    std::vector<uint32_t> words;
-    std::vector<float> floats;
-#pragma omp for schedule(dynamic, 1)
-    for (size_t k = 0; k < items.size(); ++k) prefill_item_mm<T, D16>(a, items[k], words, floats);
+    for (size_t k = 0; k < items.size(); ++k) {
+      if constexpr (kMatmul) {
+        prefill_item_mm<T, D16>(a, items[k], w.words, w.floats);
+      } else {
+        prefill_item<T, D16>(a, items[k], w.floats, w.halves);
+      }
+    }
   }
 }
 
 template <int T>
 void prefill_typed(const PrefillArgs& a, const std::vector<PrefillItem>& items, int num_threads) {
   switch (a.head_dim) {  // the matmul-shaped kernel for the head sizes models use
-    case 32: return prefill_all_mm<T, 2>(a, items, num_threads);
-    case 64: return prefill_all_mm<T, 4>(a, items, num_threads);
-    case 96: return prefill_all_mm<T, 6>(a, items, num_threads);
-    case 128: return prefill_all_mm<T, 8>(a, items, num_threads);
-    case 256: return prefill_all_mm<T, 16>(a, items, num_threads);
-    default: break;
-  }
-  switch (a.head_dim) {
-    case 64: prefill_all<T, 4>(a, items, num_threads); break;
-    case 128: prefill_all<T, 8>(a, items, num_threads); break;
-    default: prefill_all<T, 0>(a, items, num_threads); break;
+    case 32: return prefill_all<T, 2, true>(a, items, num_threads);
+    case 64: return prefill_all<T, 4, true>(a, items, num_threads);
+    case 96: return prefill_all<T, 6, true>(a, items, num_threads);
+    case 128: return prefill_all<T, 8, true>(a, items, num_threads);
+    case 256: return prefill_all<T, 16, true>(a, items, num_threads);
+    default: return prefill_all<T, 0, false>(a, items, num_threads);  // dot products, any multiple of 16
   }
 }
 
