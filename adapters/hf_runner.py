@@ -8,7 +8,7 @@ flattened ragged batch ``[1, T]``; attention reads and writes the paged buffers.
 from __future__ import annotations
 
 import inspect
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -19,6 +19,7 @@ from kvpage.kv_storage import LayerKVSpec, PagedKVCache
 from .compiled_forward import CompiledForward
 from .layer_kinds import unsupported_layer_reason
 from .onednn_linear import use_onednn_linears
+from .position_relay import relay_position_ids
 from .hf_attention import (ATTN_IMPLEMENTATION, AttentionBackend, PagedForwardContext, ProbeContext, paged_step,
                            register_kvpage_attention)
 
@@ -56,6 +57,7 @@ class HFModelRunner:
         register_kvpage_attention()
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         self._undo_linears = use_onednn_linears(model) if onednn_linears else (lambda: None)
+        self._undo_position_relay: Callable[[], None] = lambda: None
         self.num_layers = int(model.config.get_text_config().num_hidden_layers)
         self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.kv_cache: Optional[PagedKVCache] = None
@@ -101,10 +103,22 @@ class HFModelRunner:
             raise UnsupportedModelError(
                 f"{name}: layer {layer} hands attention a mask or bias of its own making; kvpage derives causal and "
                 "sliding-window masks from token positions and applies no other mask")
-        if not self._follows_position_ids():
+        if not self._follows_position_ids() and not self._relay_position_ids():
             raise UnsupportedModelError(
                 f"{name} ignores position_ids (it numbers tokens from its own cache length), so it cannot run "
                 "kvpage's flattened batches of sequences at different positions")
+
+    def _relay_position_ids(self) -> bool:
+        """For a model that numbers positions itself: hand ``position_ids`` to its positional
+        embeddings (``position_relay``) and keep that when the model then follows them."""
+        undo = relay_position_ids(self.model)
+        if undo is None:
+            return False
+        if not self._follows_position_ids():
+            undo()
+            return False
+        self._undo_position_relay = undo
+        return True
 
     def _follows_position_ids(self) -> bool:
         """Whether the model places tokens where ``position_ids`` says: the first layer's query
@@ -192,3 +206,5 @@ class HFModelRunner:
         """Switch the model back to the attention implementation and linears it had before."""
         self.model.set_attn_implementation(self.original_attn_implementation)
         self._undo_linears()
+        self._undo_position_relay()
+        self._undo_position_relay = lambda: None

@@ -15,7 +15,7 @@ import torch
 from kvpage import LLM, SamplingParams
 from tiny_models import EXTENDED_FAMILIES, FAMILIES, VOCAB, hf_greedy, kv_groups_of, tiny_model
 
-SUBSET = ["llama", "mistral", "gemma2", "qwen3", "gpt2"]
+SUBSET = ["llama", "mistral", "gemma2", "qwen3", "gpt2", "bart"]
 MATRIX = FAMILIES + EXTENDED_FAMILIES if os.environ.get("KVPAGE_COMPILED_MATRIX") else SUBSET
 
 

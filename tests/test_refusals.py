@@ -27,8 +27,6 @@ CASES = {
     "deepseek_v32": (tf.DeepseekV32Config, tf.DeepseekV32ForCausalLM, "'indexed_attention'"),
     # attention mask/bias of the model's own making
     "doge": (tf.DogeConfig, tf.DogeForCausalLM, "mask or bias of its own making"),
-    # positions counted from the model's own cache length
-    "bart": (tf.BartConfig, tf.BartForCausalLM, "ignores position_ids"),
     # attention outside the interface
     "bloom": (tf.BloomConfig, tf.BloomForCausalLM, "AttentionInterface"),
 }

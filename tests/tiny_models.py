@@ -69,6 +69,15 @@ def _configs() -> dict:
             layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2,
             vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8, laurel_rank=8,
             activation_sparsity_pattern=[0.0] * 4),
+        # Decoders that number positions themselves (position_relay): learned with an offset, sinusoidal.
+        "bart": lambda: tf.BartConfig(vocab_size=VOCAB, d_model=64, encoder_layers=2, decoder_layers=2,
+                                      decoder_attention_heads=4, decoder_ffn_dim=96, max_position_embeddings=256,
+                                      init_std=0.15, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                      forced_eos_token_id=2),
+        "pegasus": lambda: tf.PegasusConfig(vocab_size=VOCAB, d_model=64, encoder_layers=2, decoder_layers=2,
+                                            decoder_attention_heads=4, decoder_ffn_dim=96,
+                                            max_position_embeddings=256, init_std=0.15, pad_token_id=0,
+                                            eos_token_id=1),
         # Not supported: attention bypasses the interface, or there is no attention at all.
         "bloom": lambda: tf.BloomConfig(vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4),
         "stablelm": lambda: tf.StableLmConfig(**llama_like),
@@ -80,7 +89,7 @@ def _configs() -> dict:
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3", "gpt2", "gpt_neox", "opt"]
 EXTENDED_FAMILIES = ["gpt_oss", "gpt_bigcode", "gptj", "codegen", "starcoder2", "phi", "mixtral", "olmo2", "cohere",
                      "granite", "smollm3", "stablelm", "nemotron", "deepseek_v3", "minicpm3", "gemma3n_text",
-                     "diffllama"]
+                     "diffllama", "bart", "pegasus"]
 UNSUPPORTED_FAMILIES = ["bloom", "mamba"]
 
 
@@ -118,12 +127,13 @@ def kv_groups_of(model) -> int:
 
 
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """HF ``generate`` greedy continuation of one unpadded prompt, ignoring EOS."""
+    """HF ``generate`` greedy continuation of one unpadded prompt, ignoring EOS (and the
+    generation config's forced first/last tokens: plain greedy, as kvpage serves it)."""
     with torch.inference_mode():
         ids = torch.tensor([prompt], device=model.device)
         out = model.generate(ids, attention_mask=torch.ones_like(ids),
                              max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)
+                             eos_token_id=None, pad_token_id=0, forced_eos_token_id=None, forced_bos_token_id=None)
     return out[0, len(prompt):].tolist()
 
 

@@ -56,11 +56,15 @@ def census_prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
 def hf_greedy(model: torch.nn.Module, prompt: Sequence[int], max_new_tokens: int,
               use_cache: bool = True) -> tuple[list[int], list[float]]:
     """HF's greedy continuation of one unpadded prompt (EOS ignored) and its top-2 margin per
-    token; ``use_cache=False`` recomputes the whole sequence for every token instead."""
+    token; ``use_cache=False`` recomputes the whole sequence for every token instead. Forced
+    first/last tokens from the model's generation config (Bart-style ``forced_eos_token_id``,
+    a translation target's ``forced_bos_token_id``) are off: plain greedy decoding, as
+    kvpage and vLLM serve it."""
     with torch.inference_mode():
         ids = torch.tensor([list(prompt)], device=model.device)
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                              min_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
+                             forced_eos_token_id=None, forced_bos_token_id=None,
                              output_scores=True, return_dict_in_generate=True, use_cache=use_cache)
     margins = []
     for scores in out.scores:
