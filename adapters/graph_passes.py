@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from .onednn_linear import onednn_linear  # registers kvpage::onednn_linear_fused too
 
@@ -43,6 +44,34 @@ def _linear_call(node: torch.fx.Node) -> bool:
 def _out_features(weight: torch.fx.Node) -> int:
     value = weight.meta.get("example_value")
     return int(value.shape[0]) if value is not None else -1
+
+
+def _record_example_value(node: torch.fx.Node) -> None:
+    """Give a node a pass inserted the fake ``example_value`` dynamo gives its own nodes,
+    computed from its inputs' (in their fake mode). AOTAutograd's disk cache refuses a graph
+    with a method call on a tensor node that lacks one, and without that cache every start
+    traces the whole model again (about 20 s of SmolLM2's start-up here)."""
+    values = []
+
+    def example(arg):
+        if isinstance(arg, torch.fx.Node):
+            value = arg.meta.get("example_value")
+            if value is None:
+                raise LookupError(arg.name)
+            values.append(value)
+            return value
+        return arg
+
+    try:
+        args = torch.fx.node.map_aggregate(node.args, example)
+    except LookupError:
+        return  # an input without one: leave it (the cache then bypasses, as before)
+    modes = {id(v.fake_mode): v.fake_mode for v in values if isinstance(v, FakeTensor)}
+    if len(modes) != 1 or len(values) != sum(isinstance(v, FakeTensor) for v in values):
+        return
+    (fake_mode,) = modes.values()
+    with fake_mode:
+        node.meta["example_value"] = node.target(*args)
 
 
 def fuse_sibling_linears(gm: torch.fx.GraphModule) -> int:
@@ -71,9 +100,11 @@ def fuse_sibling_linears(gm: torch.fx.GraphModule) -> int:
         biases = [m.args[2] for m in members] if all(with_bias) else []
         with gm.graph.inserting_before(first):
             fused = gm.graph.call_function(torch.ops.kvpage.onednn_linear_fused.default, (x, weights, biases))
+            _record_example_value(fused)
             parts, start = [], 0
             for width in widths:
                 parts.append(gm.graph.call_function(torch.narrow, (fused, -1, start, width)))
+                _record_example_value(parts[-1])
                 start += width
         for member, part in zip(members, parts):
             member.replace_all_uses_with(part)
@@ -121,6 +152,7 @@ def realize_rotary_tables(gm: torch.fx.GraphModule) -> int:
             continue
         with gm.graph.inserting_after(node):
             table = gm.graph.call_function(torch.ops.kvpage.realized.default, (node,))
+            _record_example_value(table)
         node.replace_all_uses_with(table, delete_user_cb=lambda user: user is not table)
         count += 1
     if count:

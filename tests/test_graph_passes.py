@@ -131,3 +131,62 @@ def test_compiled_onednn_greedy_matches_hf(family):
     finally:
         llm.restore()
     assert set(_FUSED) <= before
+
+
+def test_inserted_nodes_carry_example_values():
+    """Nodes the passes add have the fake values dynamo gives its own (AOTAutograd's cache
+    refuses a graph with method calls on a tensor node without one)."""
+    torch.manual_seed(0)
+    model = Siblings()
+    undo = use_onednn_linears(model)
+    try:
+        torch._dynamo.reset()
+        inserted = []
+
+        def backend(gm, example_inputs):
+            before = set(gm.graph.nodes)
+            graph_passes.fuse_sibling_linears(gm)
+            inserted.extend(n for n in gm.graph.nodes if n not in before)
+            return gm.forward
+
+        with torch.inference_mode():
+            torch.compile(model, backend=backend, dynamic=True)(torch.randn(5, 32))
+    finally:
+        undo()
+    assert len(inserted) == 2 + 5  # two fused calls, five column ranges
+    for node in inserted:
+        value = node.meta["example_value"]
+        assert isinstance(value, torch._subclasses.fake_tensor.FakeTensor) and value.dtype == torch.float32
+    widths = [int(n.meta["example_value"].shape[-1]) for n in inserted if n.target is torch.narrow]
+    assert sorted(widths) == [16, 16, 48, 64, 64]
+
+
+class SiblingsWithMethods(Siblings):
+    """Tensor methods on the fused members' outputs, as HF attention does (``.view``)."""
+
+    def forward(self, x):
+        h = self.q(x).view(x.shape[0], 3, 16).sum(1) + self.k(x).view(-1, 16) * self.v(x)
+        y = x + h.repeat(1, 2)
+        return self.out(torch.nn.functional.silu(self.gate(y)).view(-1, 64) * self.up(y))
+
+
+def test_rewritten_graph_is_served_from_the_disk_cache(tmp_path, monkeypatch):
+    """A second compilation of the same model (a restart) loads AOTAutograd's cached
+    artifact instead of tracing the model again."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    torch.manual_seed(0)
+    model = SiblingsWithMethods()
+    undo = use_onednn_linears(model)
+    try:
+        for _ in range(2):
+            torch._dynamo.reset()
+            counters.clear()
+            with torch.inference_mode():
+                torch.compile(model, backend=graph_passes.kvpage_inductor, dynamic=True)(torch.randn(5, 32))
+            assert counters["aot_autograd"]["autograd_cache_bypass"] == 0
+    finally:
+        undo()
+        torch._dynamo.reset()
+    assert counters["aot_autograd"]["autograd_cache_hit"] == 1
