@@ -19,7 +19,7 @@ pytest.importorskip("transformers")
 from kvpage.census import runner  # noqa: E402
 from kvpage.census.report import exact_share, summary_line, to_markdown  # noqa: E402
 
-SUBSET = "llama,deepseek_v3,mamba,bart,cohere_compass_text"
+SUBSET = "llama,deepseek_v3,mamba,bart,bloom,cohere_compass_text"
 
 
 def _kvpage(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -46,20 +46,21 @@ def test_census_classifies_the_subset(census):
     stress = families["llama"]["modes"]["stress"]
     assert stress["prefix_cache_hits"] > 0 and stress["preemptions"] > 0  # the stress mode did stress
     assert families["mamba"]["status"] == "refused" and "'mamba' keeps recurrent state" in families["mamba"]["reason"]
-    assert families["bart"]["status"] == "refused" and "position_ids" in families["bart"]["reason"]
+    assert families["bart"]["status"] == "exact"  # positions relayed to its positional embedding
+    assert families["bloom"]["status"] == "refused" and "AttentionInterface" in families["bloom"]["reason"]
     assert families["cohere_compass_text"]["status"] == "skipped"  # HF cannot build its default config
     assert "HF cannot build" in families["cohere_compass_text"]["reason"]
-    assert data["summary"] == {"exact": 2, "refused": 2, "mismatch": 0, "skipped": 1}
+    assert data["summary"] == {"exact": 3, "refused": 2, "mismatch": 0, "skipped": 1}
     assert f"census: {summary_line(data)}" in stdout
 
 
 def test_coverage_page_lists_every_family_with_its_reason(census, tmp_path):
     data, page, _ = census
     assert page == to_markdown(data)
-    assert "**Summary: exact 2, refused 2, mismatch 0, skipped 1 (of 5 families).**" in page
+    assert "**Summary: exact 3, refused 2, mismatch 0, skipped 1 (of 6 families).**" in page
     assert "| mamba | MambaForCausalLM |" in page and "| llama | LlamaForCausalLM |" in page
     assert "| layers with recurrent state (state-space, delta-net, linear attention, convolution) | 1 |" in page
-    assert "| positions counted by the model, not taken from position_ids | 1 |" in page  # bart
+    assert "| attention outside transformers' AttentionInterface | 1 |" in page  # bloom
     assert exact_share(data) == 1.0
     source = tmp_path / "c.json"
     source.write_text(json.dumps(data))
