@@ -50,7 +50,7 @@ def _record_example_value(node: torch.fx.Node) -> None:
     """Give a node a pass inserted the fake ``example_value`` dynamo gives its own nodes,
     computed from its inputs' (in their fake mode). AOTAutograd's disk cache refuses a graph
     with a method call on a tensor node that lacks one, and without that cache every start
-    traces the whole model again (about 20 s of SmolLM2's start-up here)."""
+    traces the whole model again (about 15 s of SmolLM2's start-up here)."""
     values = []
 
     def example(arg):
@@ -66,10 +66,11 @@ def _record_example_value(node: torch.fx.Node) -> None:
         args = torch.fx.node.map_aggregate(node.args, example)
     except LookupError:
         return  # an input without one: leave it (the cache then bypasses, as before)
-    modes = {id(v.fake_mode): v.fake_mode for v in values if isinstance(v, FakeTensor)}
-    if len(modes) != 1 or len(values) != sum(isinstance(v, FakeTensor) for v in values):
+    if not values or not all(isinstance(v, FakeTensor) for v in values):
         return
-    (fake_mode,) = modes.values()
+    fake_mode = values[0].fake_mode
+    if any(v.fake_mode is not fake_mode for v in values):
+        return
     with fake_mode:
         node.meta["example_value"] = node.target(*args)
 
