@@ -3,7 +3,9 @@
 For planning (``kvpage plan``): the engine itself probes the loaded model
 (``HFModelRunner``), and a test checks the two agree on the model matrix. Read here:
 layer count, KV heads and head size (MLA's split K/V heads included), and each layer's
-attention kind from ``layer_types`` (``"sliding_attention"`` takes ``sliding_window``).
+attention kind from ``layer_types`` (``"sliding_attention"`` takes ``sliding_window``;
+recurrent kinds such as ``"linear_attention"`` or ``"mamba"`` hold state, not KV, and
+get no KV layer).
 """
 from __future__ import annotations
 
@@ -11,18 +13,24 @@ from typing import Any
 
 from kvpage.kv_storage import KVCacheSpec, LayerKVSpec
 
+from .layer_kinds import RECURRENT_KINDS
+
 _SLIDING = "sliding_attention"
 _FULL = "full_attention"
+_HYBRID_KINDS = {"hybrid": _FULL, "hybrid_sliding": _SLIDING}
 
 
 def layer_windows(config: Any) -> list:
-    """Each layer's sliding window (``None``: full attention), as the HF modules read them."""
+    """Each attention layer's sliding window (``None``: full attention), as the HF modules
+    read them; recurrent layers are left out."""
     num_layers = int(config.num_hidden_layers)
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None)
     if layer_types:
         if len(layer_types) != num_layers:
             raise ValueError(f"config has {len(layer_types)} layer_types for {num_layers} layers")
+        # A hybrid layer runs attention beside its mixer; other recurrent kinds hold state only.
+        layer_types = [_HYBRID_KINDS.get(t, t) for t in layer_types if t in _HYBRID_KINDS or t not in RECURRENT_KINDS]
         unknown = sorted({t for t in layer_types if t not in (_SLIDING, _FULL)})
         if unknown:
             raise ValueError(f"kvpage plans full and sliding-window attention only; config has {unknown}")

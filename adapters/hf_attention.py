@@ -14,8 +14,11 @@ Under ``torch.compile`` the two run as one registered custom op, ``kvpage::paged
 (``paged_attention_op``), so the graph does not break at each layer.
 
 Per-step keyword arguments passed to ``model(...)`` (one documented contract):
-    input_ids, position_ids: ``[1, T]`` flattened ragged batch.
-    use_cache: always False: the KV lives in kvpage's paged buffers, not an HF Cache.
+    input_ids, position_ids: ``[1, T]`` flattened ragged batch (``[n, L]`` for a model with
+        recurrent layers: n sequences of equal query length, see ``hf_runner``).
+    use_cache: False: the KV lives in kvpage's paged buffers, not an HF Cache. A model with
+        recurrent layers gets True and a fresh ``DynamicCache`` holding only its recurrent
+        states (``recurrent_state``); its attention layers find that cache empty.
     logits_to_keep: ``[S]`` tensor of rows whose logits are needed.
     kvpage_context: ``PagedForwardContext`` (below).
 """
@@ -65,8 +68,9 @@ class PagedForwardContext:
 
     KV buffers belong to attention *call sites*: one per layer, or more where a layer calls
     attention more than once per forward (differential attention calls it twice, with two
-    halves of V). ``first_site[l]`` is layer ``l``'s first site; its ``n``-th call this
-    forward uses site ``first_site[l] + n``. ``key_caches[s]`` / ``value_caches[s]`` are
+    halves of V), or a module shared by several layers (Zamba's shared attention block,
+    whose ``layer_idx`` is None or -1: key -1). ``first_site[l]`` is layer ``l``'s first
+    site; its ``n``-th call this forward uses site ``first_site[l] + n``. ``key_caches[s]`` / ``value_caches[s]`` are
     site ``s``'s paged buffers ``[num_blocks, block_size, heads, head_dim]`` (K and V may
     differ in heads and head size); a site that reuses another's KV holds its owner's
     buffers and is listed in ``reading_only``, so it attends without writing. ``prepared``
@@ -84,7 +88,7 @@ class PagedForwardContext:
     layers_called: int = 0
     num_real_tokens: Optional[int] = None  # rows past it are compile-bucket padding
     reading_only: frozenset = frozenset()
-    first_site: Optional[list] = None  # None: one site per layer, site == layer
+    first_site: Optional[dict] = None  # None: one site per layer, site == layer
     site_prepared: Optional[list] = None  # None: every site reads ``prepared``
     _calls: dict = field(default_factory=dict)  # layer -> calls so far this forward
 
@@ -114,7 +118,9 @@ class ProbeContext:
     """A forward with attention stubbed out: records each attention call's KV layout and dtype.
 
     ``calls`` holds ``(layer, LayerKVSpec)`` in call order (a layer may call attention more
-    than once), with the sliding window the model passed to the call. ``layers_with_masks``
+    than once), with the sliding window the model passed to the call. ``foreign_calls``
+    lists ``(layer, rows)`` for calls whose K/V rows are not the forward's tokens (a module
+    attending across layer outputs rather than across the sequence). ``layers_with_masks``
     lists the layers handed an attention mask or bias of the model's own making: kvpage
     derives causality from positions and builds no mask, so a mask that reaches attention
     anyway carries something else (a learned bias, a dynamic sparsity mask). With
@@ -132,6 +138,7 @@ class ProbeContext:
     record_query: bool = False
     first_query: Optional[torch.Tensor] = None  # the first call's q [T, H, D], with record_query
     layers_with_masks: set = field(default_factory=set)
+    foreign_calls: list = field(default_factory=list)
     _seen: dict = field(default_factory=dict)  # (k storage, v storage) -> first call handed them
     _alive: list = field(default_factory=list)
 
@@ -139,6 +146,8 @@ class ProbeContext:
                sliding_window: Optional[int] = None, *args: Any) -> torch.Tensor:
         self.layers_called += 1
         index = len(self.calls)
+        if self.num_real_tokens is not None and k.shape[0] != self.num_real_tokens:
+            self.foreign_calls.append((layer, int(k.shape[0])))
         if self.record_query and index == 0:
             self.first_query = q.detach().clone()
         owner = index
@@ -170,10 +179,14 @@ def _storage_key(t: torch.Tensor) -> tuple:
 
 
 def _layer_index(module: torch.nn.Module) -> int:
+    """The layer an attention module belongs to; -1 for a module shared by several layers
+    (no ``layer_idx``, or -1): its calls are told apart by their order (``first_site``)."""
     index = getattr(module, "layer_idx", None)
-    if index is None:
-        raise ValueError(f"{type(module).__name__} has no layer_idx; kvpage cannot tell which KV buffer it owns")
-    return int(index)
+    return -1 if index is None else int(index)
+
+
+#: Keyword arguments by which a model hands attention an additive bias of its own making.
+_BIAS_ARGUMENTS = ("position_bias", "attn_bias", "alibi", "attention_bias")
 
 
 def kvpage_attention_forward(
@@ -190,26 +203,30 @@ def kvpage_attention_forward(
     kvpage_context: Union[PagedForwardContext, ProbeContext, None] = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """Attention over paged KV. ``query`` is ``[1, H, T, D]``, ``key``/``value`` ``[1, H_kv, T, D]``;
-    returns ``([1, T, H, D], None)`` as transformers expects."""
+    """Attention over paged KV. ``query`` is ``[1, H, T, D]``, ``key``/``value`` ``[1, H_kv, T, D]``
+    (or ``[n, ., L, .]``: n sequences of L rows each, T = n * L, from a model with recurrent
+    layers); returns ``([1, T, H, D], None)`` (``[n, L, H, D]``) as transformers expects."""
     if torch.compiler.is_compiling():
         return _compiled_attention(module, query, key, value, scaling, sliding_window, softcap, s_aux)
     kvpage_context = kvpage_context or _STEP.get()
-    if isinstance(kvpage_context, ProbeContext) and attention_mask is not None:
+    if isinstance(kvpage_context, ProbeContext) and (attention_mask is not None or any(
+            kwargs.get(name) is not None for name in _BIAS_ARGUMENTS)):
         kvpage_context.layers_with_masks.add(_layer_index(module))
     if kvpage_context is None:
         # A plain HF call (model.generate on a patched model): behave like stock attention.
         return _fallback_attention(module, query, key, value, attention_mask, scaling, dropout,
                                    sliding_window=sliding_window, softcap=softcap, s_aux=s_aux, **kwargs)
-    if query.shape[0] != 1:
-        raise ValueError(f"kvpage feeds one flattened ragged batch; got batch dimension {query.shape[0]}")
-    q = query[0].transpose(0, 1)  # [T, H, D]
-    k = key[0].transpose(0, 1)
-    v = value[0].transpose(0, 1)
+    batch, _, length, _ = query.shape
+    if batch == 1:
+        q = query[0].transpose(0, 1)  # [T, H, D]
+        k = key[0].transpose(0, 1)
+        v = value[0].transpose(0, 1)
+    else:  # a recurrent model's forward of n sequences of one length: their rows, in order
+        q, k, v = (t.transpose(1, 2).reshape(batch * length, t.shape[1], t.shape[3]) for t in (query, key, value))
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     out = kvpage_context.attend(_layer_index(module), q, k, v, float(scaling), sliding_window, softcap, s_aux)
-    return out.unsqueeze(0), None
+    return out.reshape(batch, length, *out.shape[1:]), None
 
 
 def _fallback_attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs):

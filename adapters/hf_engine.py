@@ -5,6 +5,7 @@ scheduler's are both taken from ``config.block_size``.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Any, Optional
@@ -207,20 +208,49 @@ def build_hf_engine(model: torch.nn.Module, tokenizer: Any, config: EngineConfig
         raise
 
 
+def stateful_config(runner: HFModelRunner, config: EngineConfig) -> EngineConfig:
+    """The settings a model with recurrent layers runs under, each change logged: no prefix
+    cache (a cached block holds KV, not the state after it) and, where the model's prefill
+    does not resume from a stored state, no chunked prefill. Refuses the KV tiers, which
+    are prefix-cache tiers."""
+    if not runner.state_layout:
+        return config
+    layers = sorted({entry.layer for entry in runner.state_layout})
+    log.info("recurrent state: %d layers keep conv/recurrent state, one slot per running sequence",
+             len(layers))
+    if config.uses_kv_tiers:
+        raise ValueError("the KV tiers extend the prefix cache, which a model with recurrent layers cannot use "
+                         "(its state is not rebuilt from cached KV); drop --kv-offloading-size/--kv-disk-cache")
+    changes: dict = {}
+    if config.enable_prefix_caching:
+        changes["enable_prefix_caching"] = False
+        log.info("prefix caching off: a cached block holds KV but not the recurrent state after it")
+    if config.enable_chunked_prefill and not runner.chunks_resume_state:
+        changes["enable_chunked_prefill"] = False
+        log.info("chunked prefill off: this model's prefill starts from a zero state, so prompts run whole")
+    return dataclasses.replace(config, **changes) if changes else config
+
+
 def _assemble(runner: HFModelRunner, model: torch.nn.Module, tokenizer: Any, config: EngineConfig) -> LLMEngine:
     limit = model_max_len(model)
     max_model_len = config.max_model_len or limit
     if max_model_len > limit:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's {limit} positions")
+    config = stateful_config(runner, config)
     spec = kv_cache_spec(runner, config)
     backend = select_backend(config.attention_backend, runner.device)
     check_backend_fits(spec, backend.name)
     groups = kv_groups(spec, config)
+    num_state_slots = config.max_num_seqs if runner.state_layout else 0
     cache_config = config.cache_config(size_kv_cache(runner, spec, config, max_model_len, groups),
-                                       spec.bytes_per_block_of(groups), max_model_len, groups.windows)
+                                       spec.bytes_per_block_of(groups), max_model_len, groups.windows,
+                                       num_state_slots)
     scheduler = Scheduler(cache_config, config.scheduler_config(max_model_len))
     storage = "cupy" if runner.device.type == "cuda" else "torch"
     runner.bind(PagedKVCache(spec, cache_config.num_blocks, backend=storage, groups=groups), backend)
+    if num_state_slots:
+        state_bytes = runner.allocate_state_slots(num_state_slots)
+        log.info("recurrent state: %d slots, %.1f MiB", num_state_slots, state_bytes / 2**20)
     if not config.enforce_eager:
         runner.compile()
     eos = eos_token_ids(model, tokenizer)

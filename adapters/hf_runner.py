@@ -4,12 +4,18 @@ Implements ``kvpage.interfaces.ModelRunner``: ``execute(metadata)`` takes a
 ``StepMetadata`` and returns float32 logits ``[S, vocab]`` for ``metadata.logits_indices``
 (in that order). The model sees one
 flattened ragged batch ``[1, T]``; attention reads and writes the paged buffers.
+
+A model with recurrent layers (state-space mixers, gated delta nets, short convolutions)
+cannot mix sequences in one row: its step runs as a few forwards of ``[n, L]``, one per
+group of sequences with the same query length that all start fresh or all resume, with
+their states gathered from and stored back to the state slots (``recurrent_state``).
 """
 from __future__ import annotations
 
 import inspect
 from typing import Callable, Optional
 
+import numpy as np
 import torch
 
 from kvpage.core.kv_groups import KVCacheGroups
@@ -17,9 +23,11 @@ from kvpage.core.metadata import StepMetadata
 from kvpage.kv_storage import LayerKVSpec, PagedKVCache
 
 from .compiled_forward import CompiledForward
-from .layer_kinds import unsupported_layer_reason
+from .layer_kinds import attention_modules_of_layer, unsupported_layer_reason
 from .onednn_linear import use_onednn_linears
 from .position_relay import relay_position_ids
+from .recurrent_state import (RecurrentStateSlots, StateEntry, cache_argument, chunked_prefill_is_exact,
+                              probe_state_layout)
 from .hf_attention import (ATTN_IMPLEMENTATION, AttentionBackend, PagedForwardContext, ProbeContext, paged_step,
                            register_kvpage_attention)
 
@@ -29,28 +37,45 @@ class UnsupportedModelError(ValueError):
     layers with recurrent state, ...); the message names the reason."""
 
 
-def check_supported(model: torch.nn.Module) -> None:
-    """Raise ``UnsupportedModelError`` naming the reason when ``model`` cannot be paged."""
+def check_supported(model: torch.nn.Module) -> list[StateEntry]:
+    """Raise ``UnsupportedModelError`` naming the reason when ``model`` cannot be paged;
+    return the recurrent states it keeps in transformers' ``Cache`` (empty for an
+    attention-only model), which kvpage keeps in state slots."""
     config = getattr(model, "config", None)
     name = type(model).__name__
     if config is None or not hasattr(model, "set_attn_implementation"):
         raise UnsupportedModelError(f"{name} is not a transformers PreTrainedModel")
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedModelError(f"{name} is an encoder-decoder model; kvpage serves decoder-only models")
-    reason = unsupported_layer_reason(model)
+    reason = unsupported_layer_reason(model, state_in_cache=True)
     if reason is not None:
         raise UnsupportedModelError(f"{name}: {reason}")
+    layout: list[StateEntry] = []
+    recurrent_reason = unsupported_layer_reason(model)
+    if recurrent_reason is not None:
+        try:
+            layout = probe_state_layout(model)
+        except Exception as exc:  # noqa: BLE001 - the reason names the layer; the probe's failure adds why
+            raise UnsupportedModelError(f"{name}: {recurrent_reason} (its cache probe failed: "
+                                        f"{type(exc).__name__}: {exc})") from exc
+        if not layout:
+            raise UnsupportedModelError(f"{name}: {recurrent_reason}")
     if not type(model)._can_set_attn_implementation():
         raise UnsupportedModelError(
             f"{name}'s attention does not go through transformers' AttentionInterface, so kvpage cannot page its KV"
         )
+    return layout
 
 
 class HFModelRunner:
     """Owns the model's switch to kvpage attention and one forward per step."""
 
     def __init__(self, model: torch.nn.Module, onednn_linears: bool = False) -> None:
-        check_supported(model)
+        self.state_layout = check_supported(model)
+        # Whether a prompt may be fed in chunks: the model's prefill resumes from stored state.
+        self.chunks_resume_state = not self.state_layout or chunked_prefill_is_exact(model)
+        self.cache_argument = cache_argument(model) if self.state_layout else None
+        self.state_slots: Optional[RecurrentStateSlots] = None  # set by allocate_state_slots()
         self.model = model
         self.device = next(model.parameters()).device
         self.original_attn_implementation = model.config._attn_implementation
@@ -67,7 +92,7 @@ class HFModelRunner:
         self.compiled: Optional[CompiledForward] = None  # set by compile()
         self.reading_only: frozenset = frozenset()
         self.site_layers: list = []  # the layer of each attention call site (see PagedForwardContext)
-        self.first_site: Optional[list] = None
+        self.first_site: Optional[dict] = None
         self.site_group: Optional[list] = None  # hybrid KV groups: each site's group
         self.layer_specs, self.kv_dtype = self._probe_layers()
 
@@ -82,28 +107,46 @@ class HFModelRunner:
             self.restore()
             raise
         self.site_layers = [layer for layer, _ in sites]
-        first = {}
+        dtype = probe.dtype or next(self.model.parameters()).dtype  # no attention: the weights' dtype
+        first: dict = {}
         for site, layer in enumerate(self.site_layers):
             first.setdefault(layer, site)
-        self.first_site = None if self.site_layers == list(range(self.num_layers)) else \
-            [first.get(layer, 0) for layer in range(max(self.site_layers) + 1)]
-        return [spec for _, spec in sites], probe.dtype
+        self.first_site = None if self.site_layers == list(range(self.num_layers)) else first
+        return [spec for _, spec in sites], dtype
 
     def _check_probe(self, probe: ProbeContext, sites: list) -> None:
         name = type(self.model).__name__
         # Every layer calls attention at least once per forward; some call it more often (twice
         # for differential attention, once per recurrence cycle for HRM's reused stacks).
         called = sorted({layer for layer, _ in sites})
-        if len(sites) < self.num_layers:
+        stateful = {entry.layer for entry in self.state_layout}
+        # In a recurrent model a layer may be neither (an MLP-only layer), unless it has an
+        # attention module that did not come through the interface.
+        bypassing = [layer for layer in sorted(set(range(self.num_layers)) - set(called) - stateful)
+                     if attention_modules_of_layer(self.model, layer)] if stateful else []
+        if bypassing:
+            raise UnsupportedModelError(
+                f"{name}: layers {bypassing} have attention ({attention_modules_of_layer(self.model, bypassing[0])[0]}) "
+                "that bypasses transformers' attention interface")
+        if not stateful and len(sites) < self.num_layers:
             raise UnsupportedModelError(
                 f"{name}: {len(sites)} attention calls for {self.num_layers} layers (layers called: {called or 'none'}); "
                 "the others bypass transformers' attention interface (or have no attention)")
+        if probe.foreign_calls:
+            layer, rows = probe.foreign_calls[0]
+            raise UnsupportedModelError(
+                f"{name}: an attention call of layer {layer} attends over {rows} rows for {probe.num_real_tokens} "
+                "tokens (across something other than the sequence); kvpage pages attention over a sequence's "
+                "tokens only")
         if probe.layers_with_masks:
             layer = min(probe.layers_with_masks)
             raise UnsupportedModelError(
                 f"{name}: layer {layer} hands attention a mask or bias of its own making; kvpage derives causal and "
                 "sliding-window masks from token positions and applies no other mask")
-        if not self._follows_position_ids() and not self._relay_position_ids():
+        # A recurrent layer ahead of the first attention makes a token's query depend on the
+        # tokens before it, which the probe below cannot tell from a position shift; models
+        # with recurrent layers all come from transformers' position_ids era.
+        if not stateful and not self._follows_position_ids() and not self._relay_position_ids():
             raise UnsupportedModelError(
                 f"{name} ignores position_ids (it numbers tokens from its own cache length), so it cannot run "
                 "kvpage's flattened batches of sequences at different positions")
@@ -149,7 +192,11 @@ class HFModelRunner:
         return probe
 
     def compile(self) -> float:
-        """Run every later step through ``torch.compile``; compiles now. Returns the seconds taken."""
+        """Run every later step through ``torch.compile``; compiles now. Returns the seconds taken.
+        A model with recurrent layers stays eager (its steps are several forwards of varying
+        batch shape, with a cache object built per forward) and this returns 0."""
+        if self.state_layout:
+            return 0.0
         self.compiled = CompiledForward(self.model, self._takes_logits_to_keep)
         return self.compiled.warm_up(lambda forward, n: self.probe_forward(n, forward))
 
@@ -168,22 +215,25 @@ class HFModelRunner:
             [groups.position_of_layer(site)[0] for site in range(kv_cache.spec.num_layers)]
         self.backend = backend
 
+    def allocate_state_slots(self, num_slots: int) -> int:
+        """Allocate ``num_slots`` slots of every recurrent state (nothing for an
+        attention-only model); returns their bytes."""
+        if not self.state_layout:
+            return 0
+        self.state_slots = RecurrentStateSlots(self.model, self.state_layout, num_slots, self.device)
+        return self.state_slots.nbytes
+
     @torch.inference_mode()
     def execute(self, metadata: StepMetadata) -> torch.Tensor:
         if len(metadata.block_copies):
             self.kv_cache.copy_blocks(metadata.block_copies)  # copy-on-write, before any KV write
+        if self.state_slots is not None:
+            return self._execute_stateful(metadata)
         device = self.device
         input_ids = torch.as_tensor(metadata.input_ids, device=device)
         positions = torch.as_tensor(metadata.positions, device=device)
         rows = torch.as_tensor(metadata.logits_indices, dtype=torch.long, device=device)
-        prepared = self.backend.prepare(metadata)
-        site_prepared = None
-        if self.site_group is not None:
-            by_group = [prepared] + [self.backend.prepare(metadata.for_group(g)) for g in range(1, metadata.num_groups)]
-            site_prepared = [by_group[g] for g in self.site_group]
-        context = PagedForwardContext(self.key_caches, self.value_caches, self.backend, prepared,
-                                      num_real_tokens=metadata.num_tokens, reading_only=self.reading_only,
-                                      first_site=self.first_site, site_prepared=site_prepared)
+        context = self._context(metadata)
         with paged_step(context):
             if self.compiled is not None:
                 logits = self.compiled(input_ids, positions, rows)
@@ -193,6 +243,65 @@ class HFModelRunner:
             raise RuntimeError(f"{len(self.layer_specs) - context.layers_called} attention calls bypassed kvpage "
                                "attention")
         return logits.float()
+
+    def _context(self, metadata: StepMetadata) -> PagedForwardContext:
+        prepared = self.backend.prepare(metadata)
+        site_prepared = None
+        if self.site_group is not None:
+            by_group = [prepared] + [self.backend.prepare(metadata.for_group(g)) for g in range(1, metadata.num_groups)]
+            site_prepared = [by_group[g] for g in self.site_group]
+        return PagedForwardContext(self.key_caches, self.value_caches, self.backend, prepared,
+                                   num_real_tokens=metadata.num_tokens, reading_only=self.reading_only,
+                                   first_site=self.first_site, site_prepared=site_prepared)
+
+    def _execute_stateful(self, metadata: StepMetadata) -> torch.Tensor:
+        """The step as one forward ``[n, L]`` per group of sequences sharing a query length
+        and a start (fresh or resumed), their states gathered from and stored to the slots."""
+        slots = self.state_slots
+        if len(metadata.state_copies):
+            slots.copy(metadata.state_copies)  # forks, before any state moves on
+        if len(metadata.state_slots) != metadata.num_seqs or (metadata.state_slots < 0).any():
+            raise ValueError("a step of a model with recurrent layers must give every sequence a state slot")
+        query_lens = np.diff(metadata.query_start_loc)
+        resumes = metadata.num_computed_tokens > 0
+        wanted = metadata.logits_indices
+        logits: Optional[torch.Tensor] = None
+        keys = query_lens * 2 + resumes
+        for key in np.unique(keys).tolist():
+            part, rows = metadata.select(np.flatnonzero(keys == key))
+            # The step's rows whose logits are wanted, and where they sit in this part.
+            picked = np.flatnonzero(np.isin(wanted, rows))
+            part_logits = self._stateful_forward(part, bool(key % 2), np.searchsorted(rows, wanted[picked]))
+            if logits is None:
+                logits = part_logits.new_empty((len(wanted), part_logits.shape[-1]))
+            logits[torch.as_tensor(picked, device=logits.device)] = part_logits
+        return logits.float()
+
+    def _stateful_forward(self, part: StepMetadata, resume: bool, logit_rows: np.ndarray) -> torch.Tensor:
+        """One forward of ``part`` (sequences of equal query length); logits of ``logit_rows``."""
+        device = self.device
+        num_seqs = part.num_seqs
+        ids = torch.as_tensor(part.input_ids, device=device).view(num_seqs, -1)
+        positions = torch.as_tensor(part.positions, device=device).view(num_seqs, -1)
+        slot_ids = torch.as_tensor(part.state_slots, device=device)
+        cache = self.state_slots.cache_for(slot_ids, resume)
+        context = self._context(part)
+        length = ids.shape[1]
+        seq_of_row, offset_of_row = np.divmod(logit_rows, length)
+        offsets = np.unique(offset_of_row)  # the in-sequence offsets any sequence needs logits at
+        kwargs = {}
+        if self._takes_logits_to_keep:
+            kwargs["logits_to_keep"] = torch.as_tensor(offsets, device=device)
+        with paged_step(context):
+            out = self.model(input_ids=ids, position_ids=positions, use_cache=True, kvpage_context=context,
+                             **{self.cache_argument: cache}, **kwargs)
+        if context.layers_called != len(self.layer_specs):
+            raise RuntimeError(f"{len(self.layer_specs) - context.layers_called} attention calls bypassed kvpage "
+                               "attention")
+        self.state_slots.store(cache, slot_ids)
+        logits = out.logits
+        columns = np.searchsorted(offsets, offset_of_row) if self._takes_logits_to_keep else offset_of_row
+        return logits[torch.as_tensor(seq_of_row, device=logits.device), torch.as_tensor(columns, device=logits.device)]
 
     def _eager_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
                        context: PagedForwardContext) -> torch.Tensor:

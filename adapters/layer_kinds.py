@@ -2,9 +2,11 @@
 
 kvpage pages attention K/V. A layer that carries recurrent state from token to token
 (Mamba and other state-space mixers, gated delta nets, linear attention, short
-convolutions, RWKV, xLSTM, RG-LRU) or that picks its keys through an indexer with a cache
-of its own (DeepSeek's sparse attention) has state kvpage does not keep, so such a model
-is refused, with the layer named, before anything runs.
+convolutions, RWKV, xLSTM, RG-LRU) is served when the model keeps that state in
+transformers' ``Cache`` (``recurrent_state`` slots it per request); this module names
+the recurrent layers so that the runner can look. A layer that picks its keys through an
+indexer with a cache of its own (DeepSeek's sparse attention) has state kvpage does not
+keep, so such a model is refused, with the layer named, before anything runs.
 
 Two sources, both read-only: the text config's ``layer_types`` (transformers names the
 kinds: "full_attention", "sliding_attention", "linear_attention", "conv", ...), and the
@@ -44,10 +46,14 @@ def _state_class_type(class_name: str) -> str:
 _WHOLE_MODEL = re.compile(r"(Model|ForCausalLM|LMHeadModel|ForConditionalGeneration)$")
 
 
-def unsupported_layer_reason(model: torch.nn.Module) -> Optional[str]:
-    """Why kvpage cannot serve ``model``'s layers, or None when every layer is plain attention."""
+def unsupported_layer_reason(model: torch.nn.Module, state_in_cache: bool = False) -> Optional[str]:
+    """Why kvpage cannot serve ``model``'s layers, or None when every layer is plain attention
+    (or, with ``state_in_cache``, attention or recurrent layers whose state lives in
+    transformers' ``Cache``, which kvpage keeps in state slots: ``recurrent_state``)."""
     for index, kind in enumerate(_layer_kinds(model)):
         if kind in RECURRENT_KINDS:
+            if state_in_cache:
+                continue
             return _recurrent_reason(model, index, kind)
         if kind in SPARSE_KINDS:
             return (f"kvpage serves dense attention over its KV blocks only; layer type '{kind}' (layer {index}) "
@@ -55,7 +61,7 @@ def unsupported_layer_reason(model: torch.nn.Module) -> Optional[str]:
         if kind in MASKED_KINDS:
             return (f"layer type '{kind}' (layer {index}) {MASKED_KINDS[kind]}; kvpage's kernels implement causal "
                     "and sliding-window attention only")
-    if _state_module(model, None) is not None:
+    if not state_in_cache and _state_module(model, None) is not None:
         return _recurrent_reason(model, None, None)
     return None
 
@@ -69,8 +75,21 @@ def _recurrent_reason(model: torch.nn.Module, index: Optional[int], kind: Option
         detail.append(f"layer {index}")
     if kind is not None and kind != layer_type:
         detail.append(f"layer_types says '{kind}'")
-    return (f"kvpage serves attention KV only; layer type '{layer_type}' keeps recurrent state"
-            + (f" ({', '.join(detail)})" if detail else ""))
+    return (f"layer type '{layer_type}' keeps recurrent state"
+            + (f" ({', '.join(detail)})" if detail else "")
+            + " outside transformers' Cache; kvpage keeps recurrent state only where the model stores it in "
+              "the Cache's conv and recurrent states")
+
+
+def attention_modules_of_layer(model: torch.nn.Module, layer: int) -> list[str]:
+    """Class names of layer ``layer``'s attention modules (recurrent mixers named like
+    attention, e.g. gated delta nets or linear attention, left out)."""
+    names = []
+    for path, module in model.named_modules():
+        name = type(module).__name__
+        if f"layers.{layer}." in f"{path}." and "Attention" in name and not _STATE_CLASS.search(name):
+            names.append(name)
+    return names
 
 
 def _layer_kinds(model: torch.nn.Module) -> list[str]:

@@ -107,8 +107,9 @@ class KVCacheSpec:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))
-        if not self.layers or not all(isinstance(layer, LayerKVSpec) for layer in self.layers):
-            raise ValueError(f"layers must be a non-empty sequence of LayerKVSpec, got {self.layers!r}")
+        # Empty for a model with recurrent layers only (Mamba): its pool just counts tokens.
+        if not all(isinstance(layer, LayerKVSpec) for layer in self.layers):
+            raise ValueError(f"layers must be a sequence of LayerKVSpec, got {self.layers!r}")
         for index, layer in enumerate(self.layers):
             if layer.reuses is None:
                 continue
@@ -188,6 +189,12 @@ class KVCacheSpec:
         return -(-num_tokens // self.block_size)
 
 
+def _check_count(num_kv_blocks: object) -> int:
+    if isinstance(num_kv_blocks, bool) or not isinstance(num_kv_blocks, int) or num_kv_blocks <= 0:
+        raise ValueError(f"num_kv_blocks must be a positive integer, got {num_kv_blocks!r}")
+    return num_kv_blocks
+
+
 def _check_positive(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -259,15 +266,17 @@ def determine_num_blocks(
     Raises ValueError, with the numbers, when the result is under one block or cannot hold
     one request of ``max_model_len`` tokens.
     """
+    if not spec.layers:  # no attention: blocks cost no memory and only count tokens
+        if num_kv_blocks is not None:
+            return _check_count(num_kv_blocks)
+        return max_num_seqs * spec.blocks_for_tokens(max_model_len)
     groups = groups or KVCacheGroups.single(spec.num_layers)
     sizes = _BlockSizes(spec.bytes_per_block_of(groups), spec.block_size,
                         groups.blocks_per_request(max_model_len, spec.block_size, min(chunk_tokens, max_model_len)),
                         groups.blocks_per_request(min(max_model_len, CPU_EXPECTED_SEQ_TOKENS), spec.block_size))
     rule = kv_sizing_rule(num_kv_blocks, kv_cache_memory, device)
     if rule == "explicit count":
-        if isinstance(num_kv_blocks, bool) or not isinstance(num_kv_blocks, int) or num_kv_blocks <= 0:
-            raise ValueError(f"num_kv_blocks must be a positive integer, got {num_kv_blocks!r}")
-        return _check(num_kv_blocks, sizes, max_model_len, f"num_kv_blocks={num_kv_blocks}")
+        return _check(_check_count(num_kv_blocks), sizes, max_model_len, f"num_kv_blocks={num_kv_blocks}")
     if rule == "byte budget":
         budget, source = int(kv_cache_memory), f"kv_cache_memory={kv_cache_memory} bytes"
     elif rule == "GPU profile":

@@ -19,7 +19,7 @@ pytest.importorskip("transformers")
 from kvpage.census import runner  # noqa: E402
 from kvpage.census.report import exact_share, summary_line, to_markdown  # noqa: E402
 
-SUBSET = "llama,deepseek_v3,mamba,bart,bloom,cohere_compass_text"
+SUBSET = "llama,deepseek_v3,mamba,bart,bloom,rwkv,cohere_compass_text"
 
 
 def _kvpage(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -45,21 +45,23 @@ def test_census_classifies_the_subset(census):
         assert families["llama"]["modes"][mode]["status"] == "exact"
     stress = families["llama"]["modes"]["stress"]
     assert stress["prefix_cache_hits"] > 0 and stress["preemptions"] > 0  # the stress mode did stress
-    assert families["mamba"]["status"] == "refused" and "'mamba' keeps recurrent state" in families["mamba"]["reason"]
+    # Recurrent state in state slots: whole prompts (Mamba's prefill starts from zeros), preemption still runs.
+    assert families["mamba"]["status"] == "exact" and families["mamba"]["modes"]["stress"]["preemptions"] > 0
+    assert families["rwkv"]["status"] == "refused" and "outside transformers' Cache" in families["rwkv"]["reason"]
     assert families["bart"]["status"] == "exact"  # positions relayed to its positional embedding
     assert families["bloom"]["status"] == "refused" and "AttentionInterface" in families["bloom"]["reason"]
     assert families["cohere_compass_text"]["status"] == "skipped"  # HF cannot build its default config
     assert "HF cannot build" in families["cohere_compass_text"]["reason"]
-    assert data["summary"] == {"exact": 3, "refused": 2, "mismatch": 0, "skipped": 1}
+    assert data["summary"] == {"exact": 4, "refused": 2, "mismatch": 0, "skipped": 1}
     assert f"census: {summary_line(data)}" in stdout
 
 
 def test_coverage_page_lists_every_family_with_its_reason(census, tmp_path):
     data, page, _ = census
     assert page == to_markdown(data)
-    assert "**Summary: exact 3, refused 2, mismatch 0, skipped 1 (of 6 families).**" in page
+    assert "**Summary: exact 4, refused 2, mismatch 0, skipped 1 (of 7 families).**" in page
     assert "| mamba | MambaForCausalLM |" in page and "| llama | LlamaForCausalLM |" in page
-    assert "| layers with recurrent state (state-space, delta-net, linear attention, convolution) | 1 |" in page
+    assert "| recurrent state kept outside transformers' Cache (own cache class or buffers) | 1 |" in page  # rwkv
     assert "| attention outside transformers' AttentionInterface | 1 |" in page  # bloom
     assert exact_share(data) == 1.0
     source = tmp_path / "c.json"
@@ -107,12 +109,12 @@ def saved_models(tmp_path_factory):
     llama = tmp_path_factory.mktemp("llama")
     tiny_model("llama").save_pretrained(llama)
     char_tokenizer().save_pretrained(llama)
-    mamba = tmp_path_factory.mktemp("mamba")
+    rwkv = tmp_path_factory.mktemp("rwkv")
     torch.manual_seed(0)
     import transformers as tf
 
-    tf.MambaForCausalLM(tiny_config(tf.MambaConfig)).save_pretrained(mamba)
-    return str(llama), str(mamba)
+    tf.RwkvForCausalLM(tiny_config(tf.RwkvConfig)).save_pretrained(rwkv)
+    return str(llama), str(rwkv)
 
 
 def test_check_says_exact_for_a_served_model(saved_models, tmp_path):
@@ -128,10 +130,10 @@ def test_check_says_exact_for_a_served_model(saved_models, tmp_path):
 
 
 def test_check_names_the_reason_for_a_refused_model(saved_models):
-    _, mamba = saved_models
-    out = _kvpage("check", mamba)
+    _, rwkv = saved_models
+    out = _kvpage("check", rwkv)
     assert out.returncode == 1
-    assert "verdict: refused" in out.stdout and "'mamba' keeps recurrent state" in out.stdout
+    assert "verdict: refused" in out.stdout and "'rwkv' keeps recurrent state" in out.stdout
 
 
 def test_check_of_a_folder_that_is_no_model_is_one_line(tmp_path):

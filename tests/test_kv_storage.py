@@ -43,8 +43,18 @@ def test_per_layer_spec_bytes_follow_each_layer():
     assert determine_num_blocks(MIXED, kv_cache_memory=10 * MIXED.bytes_per_block, max_model_len=8) == 10
 
 
+def test_a_spec_without_attention_layers_counts_tokens_only():
+    # A model of recurrent layers only: blocks cost nothing, the pool still counts tokens.
+    empty = KVCacheSpec((), block_size=4)
+    assert empty.bytes_per_block == 0
+    assert determine_num_blocks(empty, max_num_seqs=3, max_model_len=10) == 3 * 3
+    assert determine_num_blocks(empty, num_kv_blocks=5, max_model_len=10) == 5
+    with pytest.raises(ValueError, match="num_kv_blocks"):
+        determine_num_blocks(empty, num_kv_blocks=0, max_model_len=10)
+
+
 @pytest.mark.parametrize("layers, match", [
-    ((), "non-empty"),
+    (("not a spec",), "sequence of LayerKVSpec"),
     ((LayerKVSpec.symmetric(2, 8, reuses=0),), "earlier layer"),
     ((LayerKVSpec.symmetric(2, 8), LayerKVSpec.symmetric(2, 4, reuses=0)), "layout differs"),
     ((LayerKVSpec.symmetric(2, 8), LayerKVSpec.symmetric(2, 8, reuses=0), LayerKVSpec.symmetric(2, 8, reuses=1)),

@@ -15,18 +15,17 @@ from kvpage.adapters.hf_runner import UnsupportedModelError  # noqa: E402
 from kvpage.census.tiny_config import tiny_config  # noqa: E402
 
 CASES = {
-    # recurrent state: named by the layer type the module implements
-    "mamba": (tf.MambaConfig, tf.MambaForCausalLM, "layer type 'mamba' keeps recurrent state"),
-    "jamba": (tf.JambaConfig, tf.JambaForCausalLM, "layer type 'mamba' keeps recurrent state"),
-    "qwen3_next": (tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM, "layer type 'gated_deltanet' keeps recurrent state"),
-    "nemotron_h": (tf.NemotronHConfig, tf.NemotronHForCausalLM, "layer type 'mamba' keeps recurrent state"),
+    # recurrent state outside transformers' Cache (kvpage slots the Cache's states only):
+    # named by the layer type the module implements
     "recurrent_gemma": (tf.RecurrentGemmaConfig, tf.RecurrentGemmaForCausalLM, "layer type 'rg_lru'"),
-    "lfm3": (tf.Lfm3Config, tf.Lfm3ForCausalLM, "layer type 'short_conv' keeps recurrent state"),
-    "rwkv": (tf.RwkvConfig, tf.RwkvForCausalLM, "layer type 'rwkv' keeps recurrent state"),
+    "rwkv": (tf.RwkvConfig, tf.RwkvForCausalLM, "layer type 'rwkv' keeps recurrent state .* outside transformers' Cache"),
+    "minimax": (tf.MiniMaxConfig, tf.MiniMaxForCausalLM, "'lightning_attention' keeps recurrent state"),
     # keys chosen by an indexer with a cache of its own
     "deepseek_v32": (tf.DeepseekV32Config, tf.DeepseekV32ForCausalLM, "'indexed_attention'"),
     # attention mask/bias of the model's own making
     "doge": (tf.DogeConfig, tf.DogeForCausalLM, "mask or bias of its own making"),
+    # a learned relative-position bias handed to attention
+    "inkling_text": (tf.InklingTextConfig, tf.InklingForCausalLM, "mask or bias of its own making"),
     # attention outside the interface
     "bloom": (tf.BloomConfig, tf.BloomForCausalLM, "AttentionInterface"),
 }

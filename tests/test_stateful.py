@@ -1,10 +1,12 @@
 """Stateful fuzz of the scheduler over a tiny pool (constant memory pressure).
 
 Random interleavings of add / step (a fake model sampling random tokens) / finish / abort /
-fork / evict, for every combination of prefix caching, chunked prefill and policy, and with
-hybrid KV groups (a full-attention group and two sliding-window groups in one pool). After
-every rule the block accounting must balance; when the adds stop everything must drain
-and every block must come back.
+fork / evict, for every combination of prefix caching, chunked prefill and policy, with
+hybrid KV groups (a full-attention group and two sliding-window groups in one pool), and
+with recurrent-state slots (a fake state per slot replays which tokens it has absorbed:
+every step must find a resumed sequence's state covering exactly its computed tokens,
+forks and preemptions included). After every rule the block and slot accounting must
+balance; when the adds stop everything must drain and every block and slot must come back.
 """
 from __future__ import annotations
 
@@ -35,12 +37,14 @@ HYBRID = (None, 8, 8)  # group 0 full, two sliding groups of an 8-token window (
 HYBRID_NUM_BLOCKS = 18
 CONFIGS = [(*c, (None,)) for c in itertools.product((True, False), (True, False), ("fcfs", "priority"))]
 CONFIGS += [(prefix, chunked, "fcfs", HYBRID) for prefix, chunked in itertools.product((True, False), (True, False))]
+STATE_CONFIGS = [(False, chunked, policy, (None,), True) for chunked in (True, False) for policy in ("fcfs", "priority")]
 MIN_TOTAL_OPS = 10_000
 
-totals = {"ops": 0, "steps": 0, "preemptions": 0, "hits": 0, "forks": 0, "copies": 0, "aborts": 0, "drained": 0}
+totals = {"ops": 0, "steps": 0, "preemptions": 0, "hits": 0, "forks": 0, "copies": 0, "aborts": 0, "drained": 0,
+          "state_resumes": 0, "state_copies": 0}
 
 
-def machine_for(prefix: bool, chunked: bool, policy: str, windows: tuple = (None,)):
+def machine_for(prefix: bool, chunked: bool, policy: str, windows: tuple = (None,), state: bool = False):
     num_blocks = NUM_BLOCKS if len(windows) == 1 else HYBRID_NUM_BLOCKS
 
     class SchedulerMachine(RuleBasedStateMachine):
@@ -49,7 +53,7 @@ def machine_for(prefix: bool, chunked: bool, policy: str, windows: tuple = (None
             budget = 16 if chunked else MAX_MODEL_LEN  # without chunking a prompt must fit whole
             self.s = Scheduler(
                 CacheConfig(block_size=BS, num_blocks=num_blocks, enable_prefix_caching=prefix,
-                            group_windows=windows),
+                            group_windows=windows, num_state_slots=MAX_SEQS if state else 0),
                 SchedulerConfig(
                     max_num_seqs=MAX_SEQS,
                     max_num_batched_tokens=budget,
@@ -63,6 +67,7 @@ def machine_for(prefix: bool, chunked: bool, policy: str, windows: tuple = (None
             self.family: dict[str, str] = {}  # request id -> id of the request it was forked from (root)
             self.admitted: list = []
             self.rng = random.Random(0)
+            self.states: dict[int, list[int]] = {}  # slot -> the tokens its fake state has absorbed
 
         # ------------------------------------------------------------------ helpers
         def live(self) -> list[str]:
@@ -101,12 +106,34 @@ def machine_for(prefix: bool, chunked: bool, policy: str, windows: tuple = (None
                         assert slots[row] == r.block_tables[g][p // BS] * BS + p % BS
             for src, dst in meta.block_copies.tolist():
                 assert src != dst and any(dst in table for r in out.requests for table in r.block_tables)
+            if state:
+                self.check_state_step(out)
             totals["copies"] += len(meta.block_copies)
             totals["preemptions"] += len(out.preempted)
             totals["steps"] += 1
             rng = random.Random(seed)
             tokens = [rng.randrange(VOCAB) for _ in range(meta.sample_seq_indices.shape[0])]
             s.update_from_output(out, tokens)
+
+        def check_state_step(self, out) -> None:
+            """Replay the step on fake states: forks' copies first, then each sequence
+            resumes from a state covering exactly its computed tokens (or starts fresh)."""
+            meta = out.metadata
+            slots = meta.state_slots.tolist()
+            assert len(slots) == meta.num_seqs and min(slots, default=0) >= 0 and len(set(slots)) == len(slots)
+            for src, dst in meta.state_copies.tolist():
+                self.states[dst] = list(self.states.get(src, []))
+                totals["state_copies"] += 1
+            for i, r in enumerate(out.requests):
+                assert slots[i] == r.state_slot
+                computed = int(meta.num_computed_tokens[i])
+                if computed == 0:
+                    self.states[slots[i]] = []
+                else:
+                    assert self.states.get(slots[i]) == r.all_token_ids[:computed], f"{r!r}: stale state"
+                    totals["state_resumes"] += 1
+                start, end = int(meta.query_start_loc[i]), int(meta.query_start_loc[i + 1])
+                self.states[slots[i]] += meta.input_ids[start:end].tolist()
 
         def count_op(self) -> None:
             totals["ops"] += 1
@@ -231,6 +258,8 @@ def machine_for(prefix: bool, chunked: bool, policy: str, windows: tuple = (None
             assert not s.has_unfinished_requests(), f"starved: {s.requests}"
             assert all(r.is_finished for r in self.admitted)
             assert s.pool.num_free_blocks == s.pool.num_blocks and s.pool.num_used_blocks == 0
+            if s.state_slots is not None:
+                assert s.state_slots.num_free == s.state_slots.num_slots and s.state_slots.num_used == 0
             if s.prefix_cache is not None:
                 totals["hits"] += s.prefix_cache.num_hit_tokens
                 s.prefix_cache.reset()
@@ -238,7 +267,7 @@ def machine_for(prefix: bool, chunked: bool, policy: str, windows: tuple = (None
             s.check_integrity()
             totals["drained"] += 1
 
-    SchedulerMachine.__name__ = f"Machine_prefix{prefix}_chunked{chunked}_{policy}_groups{len(windows)}"
+    SchedulerMachine.__name__ = f"Machine_prefix{prefix}_chunked{chunked}_{policy}_groups{len(windows)}_state{state}"
     return SchedulerMachine
 
 
@@ -258,3 +287,15 @@ def test_scheduler_state_machine_all_configs():
     assert totals["preemptions"] > 0 and totals["forks"] > 0 and totals["copies"] > 0, totals
     assert totals["hits"] > 0 and totals["aborts"] > 0, totals
     assert totals["drained"] >= len(CONFIGS) * EXAMPLES // 2, totals
+
+
+def test_scheduler_state_machine_with_state_slots():
+    """Recurrent-state slots: prefix caching off (a cached block holds no state)."""
+    cfg = settings(max_examples=EXAMPLES, stateful_step_count=STEPS_PER_EXAMPLE, deadline=None,
+                   suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much], derandomize=True,
+                   database=None)
+    before = dict(totals)
+    for config in STATE_CONFIGS:
+        run_state_machine_as_test(machine_for(*config), settings=cfg)
+    grew = {key: totals[key] - before[key] for key in totals}
+    assert grew["state_resumes"] > 0 and grew["state_copies"] > 0 and grew["preemptions"] > 0, grew

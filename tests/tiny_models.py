@@ -82,7 +82,17 @@ def _configs() -> dict:
         "bloom": lambda: tf.BloomConfig(vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4),
         "stablelm": lambda: tf.StableLmConfig(**llama_like),
         "nemotron": lambda: tf.NemotronConfig(**{**llama_like, "hidden_act": "relu2"}, partial_rotary_factor=0.5),
-        "mamba": lambda: tf.MambaConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2),
+        # Recurrent state (state-space mixers, gated delta nets) in state slots beside the paged KV.
+        "mamba": lambda: tf.MambaConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, state_size=8,
+                                        initializer_range=0.15, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+        "jamba": lambda: tf.JambaConfig(**{**llama_like, "num_hidden_layers": 3}, attn_layer_period=3,
+                                        attn_layer_offset=1, expert_layer_period=3, num_experts=2,
+                                        mamba_d_state=8),
+        "qwen3_next": lambda: tf.Qwen3NextConfig(**llama_like, head_dim=16, linear_num_key_heads=2,
+                                                 linear_num_value_heads=4, linear_key_head_dim=16,
+                                                 linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                                 moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                                                 layer_types=["linear_attention", "full_attention"]),
     }
 
 
@@ -90,7 +100,8 @@ FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "ge
 EXTENDED_FAMILIES = ["gpt_oss", "gpt_bigcode", "gptj", "codegen", "starcoder2", "phi", "mixtral", "olmo2", "cohere",
                      "granite", "smollm3", "stablelm", "nemotron", "deepseek_v3", "minicpm3", "gemma3n_text",
                      "diffllama", "bart", "pegasus"]
-UNSUPPORTED_FAMILIES = ["bloom", "mamba"]
+RECURRENT_FAMILIES = ["mamba", "jamba", "qwen3_next"]
+UNSUPPORTED_FAMILIES = ["bloom"]
 
 
 def tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32):
@@ -98,7 +109,7 @@ def tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32):
     from transformers import AutoModelForCausalLM
 
     config = _configs()[family]()
-    if family not in UNSUPPORTED_FAMILIES:
+    if family not in UNSUPPORTED_FAMILIES and family != "mamba":
         config._attn_implementation = "eager" if family in ("gemma2", "gpt_oss") else "sdpa"
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)

@@ -23,11 +23,13 @@ def exact_share(census: dict, count_refused: bool = False) -> float:
 
 #: Kinds of refusal, by the phrase kvpage's reason carries (first match wins).
 REFUSAL_KINDS = (
-    ("keeps recurrent state", "layers with recurrent state (state-space, delta-net, linear attention, convolution)"),
+    ("keeps recurrent state", "recurrent state kept outside transformers' Cache (own cache class or buffers)"),
     ("indexer", "sparse attention over keys an indexer picks"),
     ("chunked", "chunked attention"),
     ("AttentionInterface", "attention outside transformers' AttentionInterface"),
     ("attention calls for", "layers that never call the attention interface"),
+    ("bypasses transformers' attention interface", "layers that never call the attention interface"),
+    ("across something other than the sequence", "attention across layers or memory, not the sequence"),
     ("mask or bias", "a mask or bias of the model's own making"),
     ("position_ids", "positions counted by the model, not taken from position_ids"),
 )

@@ -47,6 +47,9 @@ class CacheConfig:
         group_windows: each KV group's sliding window (``None``: full attention), group 0
             full (``kv_groups``); one group unless the model is hybrid. The lower tiers
             need a single group.
+        num_state_slots: recurrent-state slots (``state_slots``) for a model with
+            state-space or linear-attention layers; 0 for attention-only models. Needs
+            prefix caching off and no lower tiers.
     """
 
     block_size: int = 16
@@ -56,13 +59,14 @@ class CacheConfig:
     num_disk_blocks: int = 0
     enable_kv_events: bool = False
     group_windows: tuple = (None,)
+    num_state_slots: int = 0
 
     def __post_init__(self) -> None:
         _require_positive_int("block_size", self.block_size)
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         _require_positive_int("num_blocks", self.num_blocks)
-        for name in ("num_host_blocks", "num_disk_blocks"):
+        for name in ("num_host_blocks", "num_disk_blocks", "num_state_slots"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
@@ -265,12 +269,13 @@ class EngineConfig:
         return not self.disable_hybrid_kv_cache_manager and not self.uses_kv_tiers
 
     def cache_config(self, num_blocks: int, bytes_per_block: Optional[int] = None,
-                     max_model_len: int = 2048, group_windows: tuple = (None,)) -> CacheConfig:
+                     max_model_len: int = 2048, group_windows: tuple = (None,),
+                     num_state_slots: int = 0) -> CacheConfig:
         """The pool of ``num_blocks`` blocks; with ``bytes_per_block``, the tiers too."""
         host, disk = self.tier_blocks(bytes_per_block, max_model_len) if bytes_per_block else (0, 0)
         events = self.kv_events_config is not None and self.kv_events_config.enable_kv_cache_events
         return CacheConfig(self.block_size, num_blocks, self.enable_prefix_caching, host, disk, events,
-                           tuple(group_windows))
+                           tuple(group_windows), num_state_slots)
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         return SchedulerConfig(self.max_num_seqs, self.step_token_budget(max_model_len), max_model_len,

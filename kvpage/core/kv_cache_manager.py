@@ -23,6 +23,7 @@ from .block_pool import BlockPool
 from .kv_groups import blocks_per_request, cdiv, groups_of_windows
 from .radix_cache import PrefixMatch, RadixCache
 from .request import Request
+from .state_slots import StateSlotPool
 
 if TYPE_CHECKING:
     from .kv_offload import KVOffloadManager
@@ -35,9 +36,18 @@ class KVCacheManager:
     (with an optional ``KVOffloadManager`` for the lower tiers under it)."""
 
     def __init__(self, pool: BlockPool, prefix_cache: Optional[RadixCache] = None,
-                 offload: Optional["KVOffloadManager"] = None, windows: Sequence[Optional[int]] = (None,)) -> None:
+                 offload: Optional["KVOffloadManager"] = None, windows: Sequence[Optional[int]] = (None,),
+                 state_slots: Optional[StateSlotPool] = None) -> None:
         """``windows``: each KV group's sliding window (``None``: full attention); group 0
-        must be full attention. Lower tiers (``offload``) need a single group."""
+        must be full attention. Lower tiers (``offload``) need a single group. With
+        ``state_slots`` (a model with recurrent layers) every request holding blocks also
+        holds one state slot; the state covers exactly its computed tokens, so such a
+        cache takes no prefix hits."""
+        if state_slots is not None and (prefix_cache is not None or offload is not None):
+            raise ValueError("recurrent state cannot be rebuilt from cached KV blocks: state slots need "
+                             "enable_prefix_caching off and no KV tiers")
+        self.state_slots = state_slots
+        self.pending_state_copies: list[tuple[int, int]] = []  # (src, dst) slot copies owed by forks
         self.pool = pool
         self.prefix_cache = prefix_cache
         self.offload = offload
@@ -87,9 +97,13 @@ class KVCacheManager:
         blocks get fresh pool blocks, loaded before the step's forward (and cached with the
         step's other full blocks by ``cache_scheduled_blocks``). In every group the same
         positions get blocks; sliding groups first give back what left their window.
-        Returns False, changing nothing else, when the pool cannot supply the blocks.
+        Returns False, changing nothing else, when the pool cannot supply the blocks (or,
+        with state slots, a request without one finds none free).
         """
         tables = request.block_tables
+        slots = self.state_slots
+        if slots is not None and request.state_slot is None and slots.num_free == 0:
+            return False
         if num_new_tokens == 1 and hit is None:
             # Fast path for most decodes: the token lands inside a private, partly filled block.
             index, offset = divmod(request.num_computed_tokens, self.block_size)
@@ -129,6 +143,8 @@ class KVCacheManager:
             self.offload.plan_loads(hit.load_hashes, request.block_ids[first : first + len(hit.load_hashes)])
             start = first * self.block_size  # the loaded blocks are full too
         self._update_fill(request, start, end)
+        if slots is not None and request.state_slot is None:
+            request.state_slot = slots.allocate()
         return True
 
     def _take_hit(self, request: Request, num_new_tokens: int, hit: PrefixMatch) -> bool:
@@ -206,6 +222,12 @@ class KVCacheManager:
         step writes ``chunk_tokens`` of them."""
         return blocks_per_request(self.groups, num_tokens, self.block_size, chunk_tokens)
 
+    def take_state_copies(self) -> list[tuple[int, int]]:
+        """(src, dst) state-slot copies the runner performs, in order, before the next
+        forward; each is handed out once."""
+        copies, self.pending_state_copies = self.pending_state_copies, []
+        return copies
+
     @staticmethod
     def take_pending_copies(requests: Sequence[Request]) -> list[tuple[int, int]]:
         """(src, dst) block copies the runner must perform before the KV writes of a step
@@ -262,6 +284,9 @@ class KVCacheManager:
         request.block_tables = [[] for _ in request.block_tables]
         request.released_blocks = [0] * len(request.block_tables)
         request.pending_block_copies = []  # the copied-into block was freed with the rest
+        if request.state_slot is not None:
+            self.state_slots.free(request.state_slot)
+            request.state_slot = None
         request.num_computed_tokens = 0
         request.num_inserted_blocks = 0
 
@@ -269,6 +294,15 @@ class KVCacheManager:
         """Share all of ``parent``'s blocks with ``child`` (which must hold none)."""
         if any(child.block_tables):
             raise ValueError(f"fork target {child.request_id!r} already holds blocks")
+        if self.state_slots is not None:
+            slot = self.state_slots.allocate()
+            if slot is None:
+                raise ValueError(f"cannot fork {parent.request_id!r}: every recurrent-state slot is held")
+            child.state_slot = slot
+            # Run before the next step's forward, whether or not the child runs in it: the
+            # parent's state moves on at its next token. In fork order, so a fork of a fork
+            # copies after its parent was filled.
+            self.pending_state_copies.append((parent.state_slot, slot))
         for g in range(len(parent.block_tables)):
             self.pool.incref(parent.held_blocks(g))
         child.block_tables = [list(table) for table in parent.block_tables]

@@ -150,8 +150,8 @@ def plan_kv_groups(windows: Sequence[Optional[int]], hybrid: bool = True,
     """
     windows = [None if not w else int(w) for w in windows]
     num_layers = len(windows)
-    if num_layers == 0:
-        raise ValueError("a model needs at least one attention layer")
+    if num_layers == 0:  # recurrent layers only: one empty group, the pool counts tokens
+        return KVCacheGroups.single(0, "the model has no attention layers")
     kinds: dict = {}
     for layer, window in enumerate(windows):
         kinds.setdefault(window, []).append(layer)

@@ -60,6 +60,10 @@ class StepMetadata:
         block_size: tokens per block.
         num_decodes: the first ``num_decodes`` sequences have query length 1.
         request_ids: [B] request id of each sequence.
+        state_slots: int64 [B] each sequence's recurrent-state slot (``state_slots``), or
+            -1 (an attention-only model).
+        state_copies: int64 [C, 2] (src, dst) state-slot copies (forks) to perform, in
+            order, before this step's forward.
         group_block_tables, group_slot_mappings: with several KV groups (a hybrid model),
             the block tables and slot mappings of groups 1.. (group 0's are
             ``block_tables`` and ``slot_mapping``). In a sliding-window group, the entries
@@ -83,6 +87,8 @@ class StepMetadata:
     prompt_logits_token_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     group_block_tables: tuple = ()
     group_slot_mappings: tuple = ()
+    state_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    state_copies: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), dtype=np.int64))
 
     @property
     def num_groups(self) -> int:
@@ -95,6 +101,31 @@ class StepMetadata:
         return dataclasses.replace(self, block_tables=self.group_block_tables[group - 1],
                                    slot_mapping=self.group_slot_mappings[group - 1],
                                    group_block_tables=(), group_slot_mappings=())
+
+    def select(self, seqs: np.ndarray) -> tuple["StepMetadata", np.ndarray]:
+        """The step restricted to sequences ``seqs`` (ascending), and the step's rows they
+        cover, in order. The part's ``logits_indices`` are all its rows; it owes no block
+        or state copies (the whole step performs those once)."""
+        seqs = np.asarray(seqs, dtype=np.int64)
+        starts = self.query_start_loc[seqs].astype(np.int64)
+        lens = self.query_start_loc[seqs + 1].astype(np.int64) - starts
+        qsl = np.zeros(len(seqs) + 1, dtype=np.int64)
+        np.cumsum(lens, out=qsl[1:])
+        rows = np.repeat(starts - qsl[:-1], lens) + np.arange(int(qsl[-1]))
+        part = dataclasses.replace(
+            self, input_ids=self.input_ids[rows], positions=self.positions[rows],
+            slot_mapping=self.slot_mapping[rows], query_start_loc=qsl.astype(np.int32),
+            seq_lens=self.seq_lens[seqs], num_computed_tokens=self.num_computed_tokens[seqs],
+            block_tables=self.block_tables[seqs], logits_indices=np.arange(len(rows), dtype=np.int64),
+            sample_seq_indices=np.zeros(0, dtype=np.int64), block_copies=np.zeros((0, 2), dtype=np.int64),
+            num_decodes=leading_decodes(lens), request_ids=[self.request_ids[i] for i in seqs.tolist()],
+            prompt_logits_seq_indices=np.zeros(0, dtype=np.int64),
+            prompt_logits_token_ids=np.zeros(0, dtype=np.int64),
+            group_block_tables=tuple(t[seqs] for t in self.group_block_tables),
+            group_slot_mappings=tuple(m[rows] for m in self.group_slot_mappings),
+            state_slots=self.state_slots[seqs] if len(self.state_slots) else self.state_slots,
+            state_copies=np.zeros((0, 2), dtype=np.int64))
+        return part, rows
 
     @property
     def num_sampled_rows(self) -> int:
@@ -155,6 +186,7 @@ def build_step_metadata(
     block_size: int,
     block_copies: Sequence[tuple[int, int]] = (),
     num_groups: int = 1,
+    state_copies: Sequence[tuple[int, int]] = (),
 ) -> StepMetadata:
     """Flatten the scheduled ``requests`` (each feeding ``num_new_tokens[i]`` tokens), with
     the block tables of ``num_groups`` KV groups.
@@ -210,6 +242,9 @@ def build_step_metadata(
         prompt_logits_token_ids=prompt_targets,
         group_block_tables=tuple(tables[1:]),
         group_slot_mappings=tuple(slots[1:]),
+        state_slots=np.fromiter((-1 if r.state_slot is None else r.state_slot for r in requests), dtype=np.int64,
+                                count=num_seqs),
+        state_copies=np.asarray(state_copies, dtype=np.int64).reshape(-1, 2),
     )
 
 

@@ -51,7 +51,7 @@ class Request:
         "num_computed_tokens", "num_cached_tokens", "num_inserted_blocks", "num_preemptions",
         "finish_reason", "error", "first_token_time", "finish_time", "last_token_time",
         "prefix_queried", "group_id", "sample_index", "pending_block_copies", "block_hashes",
-        "kv_fetch_waited",
+        "kv_fetch_waited", "state_slot",
     )
 
     def __init__(
@@ -98,6 +98,9 @@ class Request:
         self.pending_block_copies: list[tuple[int, int]] = []
         self.block_hashes: list[BlockHash] = []  # of the leading full blocks, filled on demand
         self.kv_fetch_waited = False  # it waited once for blocks read from the disk tier
+        # Its recurrent-state slot (``state_slots``; models with state-space layers), held
+        # while it holds blocks.
+        self.state_slot: Optional[int] = None
 
     @property
     def block_ids(self) -> list[int]:

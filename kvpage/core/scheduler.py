@@ -42,6 +42,7 @@ from .metadata import StepMetadata, build_step_metadata
 from .radix_cache import PrefixMatch, RadixCache
 from .request import FinishReason, Request, RequestStatus, sample_request_id
 from .sampling_params import SamplingParams
+from .state_slots import StateSlotPool
 from .tier_scheduling import TierScheduling
 from .waiting_queue import WaitingQueue
 
@@ -128,7 +129,8 @@ class Scheduler:
         windows = cache_config.group_windows
         self.prefix_cache = (RadixCache(self.pool, self.offload, self.kv_events, windows)
                              if cache_config.enable_prefix_caching else None)
-        self.kv = KVCacheManager(self.pool, self.prefix_cache, self.offload, windows)
+        self.state_slots = StateSlotPool(cache_config.num_state_slots) if cache_config.num_state_slots else None
+        self.kv = KVCacheManager(self.pool, self.prefix_cache, self.offload, windows, self.state_slots)
         self.waiting = WaitingQueue(scheduler_config.policy)
         self.fetch_waits = FetchWaits()
         # The lower tiers' side of scheduling (parking, completions, disk saves); None without tiers.
@@ -270,7 +272,8 @@ class Scheduler:
         requests = [r for r, _ in plan.scheduled]
         counts = [n for _, n in plan.scheduled]
         copies = self.kv.take_pending_copies(requests)
-        metadata = build_step_metadata(requests, counts, self.block_size, copies, self.kv.num_groups)
+        metadata = build_step_metadata(requests, counts, self.block_size, copies, self.kv.num_groups,
+                                       self.kv.take_state_copies() if self.state_slots is not None else ())
         self.num_steps += 1
         transfers = self.offload.take_step_transfers() if self.offload is not None else None
         return SchedulerOutput(requests, counts, metadata, plan.preempted, plan.newly_cached[::-1],
@@ -495,3 +498,10 @@ class Scheduler:
         for b in range(self.pool.num_blocks):
             assert holders[b] == self.pool.ref_count(b), f"block {b}: {holders[b]} holders, ref {self.pool.ref_count(b)}"
         assert len(self.running) <= self.config.max_num_seqs
+        if self.state_slots is not None:
+            self.state_slots.check_integrity()
+            held = [r.state_slot for r in self.requests.values() if r.state_slot is not None]
+            assert len(held) == len(set(held)) == self.state_slots.num_used, "state slots and holders disagree"
+            for request in self.requests.values():
+                assert (request.state_slot is not None) == bool(request.block_ids), \
+                    f"{request!r}: a state slot without blocks, or blocks without one"
