@@ -237,22 +237,26 @@ def _assemble(runner: HFModelRunner, model: torch.nn.Module, tokenizer: Any, con
     if max_model_len > limit:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's {limit} positions")
     config = stateful_config(runner, config)
+    num_state_slots = config.max_num_seqs if runner.state_layout else 0
+    if num_state_slots:  # before the KV is sized, so that a GPU profile counts the slots as used memory
+        state_bytes = runner.allocate_state_slots(num_state_slots)
+        log.info("recurrent state: %d slots, %.1f MiB", num_state_slots, state_bytes / 2**20)
     spec = kv_cache_spec(runner, config)
     backend = select_backend(config.attention_backend, runner.device)
     check_backend_fits(spec, backend.name)
     groups = kv_groups(spec, config)
-    num_state_slots = config.max_num_seqs if runner.state_layout else 0
     cache_config = config.cache_config(size_kv_cache(runner, spec, config, max_model_len, groups),
                                        spec.bytes_per_block_of(groups), max_model_len, groups.windows,
                                        num_state_slots)
     scheduler = Scheduler(cache_config, config.scheduler_config(max_model_len))
     storage = "cupy" if runner.device.type == "cuda" else "torch"
     runner.bind(PagedKVCache(spec, cache_config.num_blocks, backend=storage, groups=groups), backend)
-    if num_state_slots:
-        state_bytes = runner.allocate_state_slots(num_state_slots)
-        log.info("recurrent state: %d slots, %.1f MiB", num_state_slots, state_bytes / 2**20)
     if not config.enforce_eager:
-        runner.compile()
+        if runner.state_layout:
+            log.info("compilation off: a model with recurrent layers runs eager (several forwards per step, "
+                     "a cache object per forward)")
+        else:
+            runner.compile()
     eos = eos_token_ids(model, tokenizer)
     engine = LLMEngine(runner, Sampler(config.seed, eos_token_ids=eos), tokenizer, scheduler, vocab_size(model), eos)
     attach_kv_tiers(engine, config, spec, runner.kv_cache, model)
