@@ -17,7 +17,9 @@ from .layer_kinds import RECURRENT_KINDS
 
 _SLIDING = "sliding_attention"
 _FULL = "full_attention"
-_HYBRID_KINDS = {"hybrid": _FULL, "hybrid_sliding": _SLIDING}
+# Kinds planned as another: a hybrid layer runs attention beside its mixer; a chunked layer
+# (Llama 4) keeps its whole context, as full attention does.
+_PLANNED_AS = {"hybrid": _FULL, "hybrid_sliding": _SLIDING, "chunked_attention": _FULL}
 
 
 def layer_windows(config: Any) -> list:
@@ -29,8 +31,8 @@ def layer_windows(config: Any) -> list:
     if layer_types:
         if len(layer_types) != num_layers:
             raise ValueError(f"config has {len(layer_types)} layer_types for {num_layers} layers")
-        # A hybrid layer runs attention beside its mixer; other recurrent kinds hold state only.
-        layer_types = [_HYBRID_KINDS.get(t, t) for t in layer_types if t in _HYBRID_KINDS or t not in RECURRENT_KINDS]
+        # Other recurrent kinds hold state only, no KV.
+        layer_types = [_PLANNED_AS.get(t, t) for t in layer_types if t in _PLANNED_AS or t not in RECURRENT_KINDS]
         unknown = sorted({t for t in layer_types if t not in (_SLIDING, _FULL)})
         if unknown:
             raise ValueError(f"kvpage plans full and sliding-window attention only; config has {unknown}")

@@ -53,8 +53,10 @@ class AttentionBackend(Protocol):
 
     def attention(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, prepared: Any,
                   scaling: float, sliding_window: Optional[int], softcap: Optional[float],
-                  sinks: Optional[torch.Tensor]) -> torch.Tensor:
-        """Paged attention of ``q`` ``[T, H, D]`` over each sequence's context; ``[T, H, D]``."""
+                  sinks: Optional[torch.Tensor], attention_chunk: Optional[int] = None) -> torch.Tensor:
+        """Paged attention of ``q`` ``[T, H, D]`` over each sequence's context; ``[T, H, D]``.
+        ``attention_chunk`` (chunked attention, Llama 4) is passed only for such layers; a
+        backend that cannot mask by chunks raises ``ValueError``."""
 
     # Optional: ``write_and_attend(q, k, v, key_cache, value_cache, prepared, scaling,
     # sliding_window, softcap, sinks, write=True)``, ``write_kv`` (unless ``write`` is False)
@@ -90,6 +92,7 @@ class PagedForwardContext:
     reading_only: frozenset = frozenset()
     first_site: Optional[dict] = None  # None: one site per layer, site == layer
     site_prepared: Optional[list] = None  # None: every site reads ``prepared``
+    site_chunks: Optional[list] = None  # each site's attention chunk (None: no chunked site)
     _calls: dict = field(default_factory=dict)  # layer -> calls so far this forward
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
@@ -104,6 +107,12 @@ class PagedForwardContext:
             site = self.first_site[layer] + calls
         key_cache, value_cache = self.key_caches[site], self.value_caches[site]
         prepared = self.prepared if self.site_prepared is None else self.site_prepared[site]
+        chunk = self.site_chunks[site] if self.site_chunks is not None else None
+        if chunk:
+            if site not in self.reading_only:
+                self.backend.write_kv(key_cache, value_cache, k, v, prepared)
+            return self.backend.attention(q, key_cache, value_cache, prepared, scaling, sliding_window, softcap,
+                                          sinks, attention_chunk=chunk)
         fused = getattr(self.backend, "write_and_attend", None)
         if fused is not None:
             return fused(q, k, v, key_cache, value_cache, prepared, scaling, sliding_window, softcap, sinks,
@@ -143,7 +152,7 @@ class ProbeContext:
     _alive: list = field(default_factory=list)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: Any = None,
-               sliding_window: Optional[int] = None, *args: Any) -> torch.Tensor:
+               sliding_window: Optional[int] = None, *args: Any, attention_chunk: Optional[int] = None) -> torch.Tensor:
         self.layers_called += 1
         index = len(self.calls)
         if self.num_real_tokens is not None and k.shape[0] != self.num_real_tokens:
@@ -156,7 +165,8 @@ class ProbeContext:
             self._alive.append((k, v))
         self.calls.append((layer, LayerKVSpec(int(k.shape[1]), int(k.shape[2]), int(v.shape[1]), int(v.shape[2]),
                                               reuses=None if owner == index else owner,
-                                              sliding_window=int(sliding_window) if sliding_window else None)))
+                                              sliding_window=int(sliding_window) if sliding_window else None,
+                                              attention_chunk=attention_chunk)))
         self.dtype = k.dtype
         return q.new_zeros((*q.shape[:-1], v.shape[-1]))
 
@@ -183,6 +193,21 @@ def _layer_index(module: torch.nn.Module) -> int:
     (no ``layer_idx``, or -1): its calls are told apart by their order (``first_site``)."""
     index = getattr(module, "layer_idx", None)
     return -1 if index is None else int(index)
+
+
+def _attention_chunk(module: torch.nn.Module) -> Optional[int]:
+    """The chunk size of a chunked-attention layer (transformers' ``layer_types`` entry
+    "chunked_attention" with the config's ``attention_chunk_size``), else None."""
+    config = getattr(module, "config", None)
+    index = getattr(module, "layer_idx", None)
+    try:
+        kinds = getattr(config, "layer_types", None)
+    except Exception:  # noqa: BLE001 - some configs refuse global reads of per-layer fields
+        return None
+    if not kinds or index is None or not 0 <= int(index) < len(kinds) or kinds[int(index)] != "chunked_attention":
+        return None
+    chunk = getattr(config, "attention_chunk_size", None)
+    return int(chunk) if chunk else None
 
 
 #: Keyword arguments by which a model hands attention an additive bias of its own making.
@@ -225,7 +250,10 @@ def kvpage_attention_forward(
         q, k, v = (t.transpose(1, 2).reshape(batch * length, t.shape[1], t.shape[3]) for t in (query, key, value))
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    out = kvpage_context.attend(_layer_index(module), q, k, v, float(scaling), sliding_window, softcap, s_aux)
+    # The probe records which layers attend in chunks; a step reads that from its sites.
+    extra = {"attention_chunk": _attention_chunk(module)} if isinstance(kvpage_context, ProbeContext) else {}
+    out = kvpage_context.attend(_layer_index(module), q, k, v, float(scaling), sliding_window, softcap, s_aux,
+                                **extra)
     return out.reshape(batch, length, *out.shape[1:]), None
 
 

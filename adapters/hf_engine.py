@@ -139,6 +139,9 @@ def check_backend_fits(spec: KVCacheSpec, backend_name: str) -> None:
     if backend_name != "cuda":
         return
     for i, layer in enumerate(spec.layers):
+        if layer.attention_chunk:
+            raise UnsupportedModelError(f"layer {i} attends in chunks of {layer.attention_chunk} positions; the CUDA "
+                                        "kernels do not implement chunked attention (use device='cpu')")
         if (layer.k_heads, layer.k_head_dim) != (layer.v_heads, layer.v_head_dim):
             raise UnsupportedModelError(
                 f"layer {i} has K [{layer.k_heads}, {layer.k_head_dim}] and V [{layer.v_heads}, {layer.v_head_dim}] "
@@ -231,11 +234,36 @@ def stateful_config(runner: HFModelRunner, config: EngineConfig) -> EngineConfig
     return dataclasses.replace(config, **changes) if changes else config
 
 
+def tuned_positions_limit(model: torch.nn.Module) -> Optional[int]:
+    """Tokens up to which a model with attention temperature tuning (Llama 4's NoPE layers
+    scale queries by ``log1p(floor((p + 1) / floor_scale))``) runs exactly, else None.
+
+    Those layers number positions from their own cache length, not ``position_ids``; in a
+    kvpage step that is the row index. Below ``floor_scale - 1`` both give a scale of 1."""
+    config = model.config.get_text_config()
+    floor_scale = getattr(config, "floor_scale", None)
+    if not getattr(config, "attn_temperature_tuning", False) or not floor_scale:
+        return None
+    if all(getattr(config, "no_rope_layers", None) or [True]):  # every layer rotary: nothing is tuned
+        return None
+    return int(floor_scale) - 1
+
+
 def _assemble(runner: HFModelRunner, model: torch.nn.Module, tokenizer: Any, config: EngineConfig) -> LLMEngine:
     limit = model_max_len(model)
     max_model_len = config.max_model_len or limit
     if max_model_len > limit:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's {limit} positions")
+    tuned = tuned_positions_limit(model)
+    if tuned is not None:
+        if config.max_model_len is None and max_model_len > tuned:
+            log.info("max_model_len %d -> %d: attention temperature tuning is exact below floor_scale", max_model_len,
+                     tuned)
+            max_model_len = tuned
+        if max_model_len > tuned or config.step_token_budget(max_model_len) > tuned:
+            raise ValueError(f"this model's attention temperature tuning counts positions itself; kvpage serves it "
+                             f"exactly up to {tuned} tokens (floor_scale - 1): set max_model_len and "
+                             f"max_num_batched_tokens to at most {tuned}")
     config = stateful_config(runner, config)
     num_state_slots = config.max_num_seqs if runner.state_layout else 0
     if num_state_slots:  # before the KV is sized, so that a GPU profile counts the slots as used memory

@@ -91,6 +91,7 @@ class HFModelRunner:
         self.backend: Optional[AttentionBackend] = None
         self.compiled: Optional[CompiledForward] = None  # set by compile()
         self.reading_only: frozenset = frozenset()
+        self.site_chunks: Optional[list] = None  # each site's attention chunk, where some layer attends in chunks
         self.site_layers: list = []  # the layer of each attention call site (see PagedForwardContext)
         self.first_site: Optional[dict] = None
         self.site_group: Optional[list] = None  # hybrid KV groups: each site's group
@@ -210,6 +211,8 @@ class HFModelRunner:
         self.key_caches = [kv_cache.torch_key_cache(i) for i in range(kv_cache.spec.num_layers)]
         self.value_caches = [kv_cache.torch_value_cache(i) for i in range(kv_cache.spec.num_layers)]
         self.reading_only = frozenset(i for i, layer in enumerate(kv_cache.spec.layers) if layer.reuses is not None)
+        chunks = [layer.attention_chunk for layer in kv_cache.spec.layers]
+        self.site_chunks = chunks if any(chunks) else None
         groups: Optional[KVCacheGroups] = kv_cache.groups
         self.site_group = None if groups is None else \
             [groups.position_of_layer(site)[0] for site in range(kv_cache.spec.num_layers)]
@@ -252,7 +255,8 @@ class HFModelRunner:
             site_prepared = [by_group[g] for g in self.site_group]
         return PagedForwardContext(self.key_caches, self.value_caches, self.backend, prepared,
                                    num_real_tokens=metadata.num_tokens, reading_only=self.reading_only,
-                                   first_site=self.first_site, site_prepared=site_prepared)
+                                   first_site=self.first_site, site_prepared=site_prepared,
+                                   site_chunks=self.site_chunks)
 
     def _execute_stateful(self, metadata: StepMetadata) -> torch.Tensor:
         """The step as one forward ``[n, L]`` per group of sequences sharing a query length

@@ -25,8 +25,6 @@ RECURRENT_KINDS = frozenset({"linear_attention", "conv", "mamba", "mamba2", "rec
                              "hybrid", "hybrid_sliding"})  # attention beside a state-space or convolutional mixer
 #: Layer kinds that attend to a learned subset of keys, selected with a cache of their own.
 SPARSE_KINDS = frozenset({"indexed_attention", "compressed_sparse_attention", "heavily_compressed_attention"})
-#: Layer kinds whose mask kvpage's kernels do not implement, with what they do.
-MASKED_KINDS = {"chunked_attention": "attends within fixed chunks of tokens"}
 # Module classes that hold recurrent state -> the layer type they implement ("...Mixer" is
 # transformers' name for the Mamba-style state-space mixers: BambaMixer, FalconH1Mixer, ...).
 _STATE_CLASSES = {"Mamba": "mamba", "Mixer$": "mamba", "GatedDeltaNet": "gated_deltanet", "DeltaNet": "deltanet",
@@ -58,9 +56,6 @@ def unsupported_layer_reason(model: torch.nn.Module, state_in_cache: bool = Fals
         if kind in SPARSE_KINDS:
             return (f"kvpage serves dense attention over its KV blocks only; layer type '{kind}' (layer {index}) "
                     "attends to keys chosen by an indexer that keeps a cache of its own")
-        if kind in MASKED_KINDS:
-            return (f"layer type '{kind}' (layer {index}) {MASKED_KINDS[kind]}; kvpage's kernels implement causal "
-                    "and sliding-window attention only")
     if not state_in_cache and _state_module(model, None) is not None:
         return _recurrent_reason(model, None, None)
     return None

@@ -56,12 +56,16 @@ class LayerKVSpec:
     v_head_dim: int
     reuses: Optional[int] = None
     sliding_window: Optional[int] = None  # the layer's attention kind: None is full attention
+    # Chunked attention (Llama 4): a query sees only keys of its own chunk of this many
+    # positions. The layer keeps its whole context (it is grouped as full attention).
+    attention_chunk: Optional[int] = None
 
     def __post_init__(self) -> None:
         for name in ("k_heads", "k_head_dim", "v_heads", "v_head_dim"):
             _check_positive(name, getattr(self, name))
-        if self.sliding_window is not None:
-            _check_positive("sliding_window", self.sliding_window)
+        for name in ("sliding_window", "attention_chunk"):
+            if getattr(self, name) is not None:
+                _check_positive(name, getattr(self, name))
         if self.reuses is not None and (isinstance(self.reuses, bool) or not isinstance(self.reuses, int)
                                         or self.reuses < 0):
             raise ValueError(f"reuses must be None or a layer index >= 0, got {self.reuses!r}")

@@ -4,6 +4,8 @@ Semantics shared by all backends (positions are absolute within a sequence):
   * query at position p attends to key positions j with j <= p;
   * with ``sliding_window`` W, also j > p - W (the window includes the query itself,
     as in transformers' masks);
+  * with ``attention_chunk`` C (Llama 4's chunked attention), also j >= (p // C) * C:
+    a query sees only its own chunk of C positions;
   * scores are ``q . k * scaling``; with ``softcap`` c they become ``c * tanh(score / c)``;
   * with ``sinks`` (one logit per query head) the softmax denominator gains
     ``exp(sink)``, and the sink contributes no value (gpt-oss);
@@ -47,6 +49,7 @@ def paged_attention_reference(
     sliding_window: Optional[int] = None,
     softcap: Optional[float] = None,
     sinks: Optional[np.ndarray] = None,
+    attention_chunk: Optional[int] = None,
 ) -> np.ndarray:
     num_tokens, num_heads, head_dim = q.shape
     for cache in (key_cache, value_cache):
@@ -72,6 +75,8 @@ def paged_attention_reference(
         allowed = k_pos <= q_pos
         if sliding_window:
             allowed &= k_pos > q_pos - sliding_window
+        if attention_chunk:
+            allowed &= k_pos >= q_pos // attention_chunk * attention_chunk
         scores = np.where(allowed[None], scores, -np.inf)
         row_max = scores.max(axis=-1, keepdims=True)
         if sinks is not None:

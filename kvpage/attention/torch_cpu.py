@@ -63,11 +63,15 @@ def _same_heads(k: torch.Tensor, v: torch.Tensor, num_heads: int, dim: int) -> t
             v.repeat_interleave(num_heads // v.shape[dim], dim=dim))
 
 
-def _allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, k_len: torch.Tensor, window: Optional[int]) -> torch.Tensor:
-    """Boolean mask: key position ``k_pos`` visible from query position ``q_pos``."""
+def _allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, k_len: torch.Tensor, window: Optional[int],
+             chunk: Optional[int] = None) -> torch.Tensor:
+    """Boolean mask: key position ``k_pos`` visible from query position ``q_pos`` (within
+    the sliding ``window`` and the attention ``chunk``, when given)."""
     ok = (k_pos <= q_pos) & (k_pos < k_len)
     if window:
         ok &= k_pos > q_pos - window
+    if chunk:
+        ok &= k_pos >= torch.div(q_pos, chunk, rounding_mode="floor") * chunk
     return ok
 
 
@@ -96,7 +100,8 @@ def _attend_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
 
 def decode_torch(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, seq_lens: torch.Tensor,
                  block_tables: torch.Tensor, scaling: float, sliding_window: Optional[int] = None,
-                 softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None, *,
+                 attention_chunk: Optional[int] = None) -> torch.Tensor:
     """Batched decode: ``q [B, H, D]`` (one row per sequence), int64 ``seq_lens [B]``, ``block_tables [B, *]``;
     returns ``[B, H, D_v]``."""
     num_seqs, num_heads, head_dim = q.shape
@@ -110,13 +115,13 @@ def decode_torch(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
     group = num_heads // num_kv_heads
     k_pos = torch.arange(max_blocks * block_size).view(1, 1, 1, -1)
     lens = seq_lens.view(-1, 1, 1, 1)
-    mask = _allowed(lens - 1, k_pos, lens, sliding_window)  # [B, 1, 1, S]
+    mask = _allowed(lens - 1, k_pos, lens, sliding_window, attention_chunk)  # [B, 1, 1, S]
     sink = None if sinks is None else sinks.view(1, num_kv_heads, group, 1)
     qg = q.view(num_seqs, num_kv_heads, group, head_dim)
     if softcap or sinks is not None:
         out = _attend_math(qg, k, v, mask, scaling, softcap, sink)
     else:
-        full = not sliding_window and bool((seq_lens == max_blocks * block_size).all())
+        full = not sliding_window and not attention_chunk and bool((seq_lens == max_blocks * block_size).all())
         attn_mask = None if full else _additive(mask, q.dtype)  # nothing to mask: let SDPA skip it
         out = F.scaled_dot_product_attention(qg, k, v, attn_mask=attn_mask, scale=scaling)
     return out.reshape(num_seqs, num_heads, v.shape[-1])
@@ -124,7 +129,8 @@ def decode_torch(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
 
 def prefill_one_torch(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, seq_len: int,
                       block_ids: torch.Tensor, scaling: float, sliding_window: Optional[int] = None,
-                      softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None, *,
+                      attention_chunk: Optional[int] = None) -> torch.Tensor:
     """One sequence: ``q [Q, H, D]`` are the last ``Q`` positions of a ``seq_len``-token context;
     returns ``[Q, H, D_v]``."""
     q_len, num_heads, head_dim = q.shape
@@ -138,8 +144,8 @@ def prefill_one_torch(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     if not softcap and sinks is None:
         # 4-D with enable_gqa takes SDPA's blocked CPU kernel (3-D / grouped rows fall back to
         # a ~5x slower path); is_causal is top-left aligned, right only when q_len == seq_len.
-        causal = q_len == seq_len and not sliding_window
-        mask = None if causal else _additive(_prefill_mask(q_len, seq_len, sliding_window), q.dtype)
+        causal = q_len == seq_len and not sliding_window and not attention_chunk
+        mask = None if causal else _additive(_prefill_mask(q_len, seq_len, sliding_window, attention_chunk), q.dtype)
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None], attn_mask=mask,
                                              is_causal=causal, scale=scaling, enable_gqa=True)
         return out[0].transpose(0, 1)
@@ -147,15 +153,16 @@ def prefill_one_torch(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     qg = q.permute(1, 0, 2).reshape(num_kv_heads, group * q_len, head_dim)
     sink = None if sinks is None else sinks.view(num_kv_heads, group, 1, 1).expand(-1, -1, q_len, 1).reshape(
         num_kv_heads, group * q_len, 1)
-    mask = _prefill_mask(q_len, seq_len, sliding_window).repeat(group, 1)
+    mask = _prefill_mask(q_len, seq_len, sliding_window, attention_chunk).repeat(group, 1)
     out = _attend_math(qg, k, v, mask, scaling, softcap, sink)  # [H_kv, group * Q, D_v]
     return out.reshape(num_heads, q_len, v.shape[-1]).transpose(0, 1)
 
 
-def _prefill_mask(q_len: int, seq_len: int, sliding_window: Optional[int]) -> torch.Tensor:
+def _prefill_mask(q_len: int, seq_len: int, sliding_window: Optional[int],
+                  attention_chunk: Optional[int] = None) -> torch.Tensor:
     """``[q_len, seq_len]`` boolean mask for the last ``q_len`` positions of the context."""
     q_pos = torch.arange(seq_len - q_len, seq_len).view(-1, 1)
-    return _allowed(q_pos, torch.arange(seq_len).view(1, -1), torch.tensor(seq_len), sliding_window)
+    return _allowed(q_pos, torch.arange(seq_len).view(1, -1), torch.tensor(seq_len), sliding_window, attention_chunk)
 
 
 def paged_attention_torch(
@@ -171,6 +178,7 @@ def paged_attention_torch(
     sinks: Optional[torch.Tensor] = None,
     *,
     num_decodes: Optional[int] = None,
+    attention_chunk: Optional[int] = None,
 ) -> torch.Tensor:
     """The contract's ``paged_attention`` on torch CPU tensors; returns ``[T, H, D_v]`` in ``q``'s dtype.
 
@@ -189,11 +197,12 @@ def paged_attention_torch(
     out = q.new_empty((*q.shape[:2], value_cache.shape[3]))
     if num_decodes:
         out[:num_decodes] = decode_torch(q[:num_decodes], key_cache, value_cache, lens[:num_decodes],
-                                         tables[:num_decodes], scaling, sliding_window, softcap, sinks_t)
+                                         tables[:num_decodes], scaling, sliding_window, softcap, sinks_t,
+                                         attention_chunk=attention_chunk)
     bounds = qsl.tolist()
     for i, seq_len in enumerate(lens.tolist()[num_decodes:], start=num_decodes):
         start, end = bounds[i], bounds[i + 1]
         if end > start:
             out[start:end] = prefill_one_torch(q[start:end], key_cache, value_cache, seq_len, tables[i], scaling,
-                                               sliding_window, softcap, sinks_t)
+                                               sliding_window, softcap, sinks_t, attention_chunk=attention_chunk)
     return out
