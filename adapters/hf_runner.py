@@ -22,6 +22,7 @@ from kvpage.core.kv_groups import KVCacheGroups
 from kvpage.core.metadata import StepMetadata
 from kvpage.kv_storage import LayerKVSpec, PagedKVCache
 
+from .attention_ports import has_port, install_ports, port_refusal
 from .compiled_forward import CompiledForward
 from .layer_kinds import attention_modules_of_layer, unsupported_layer_reason
 from .onednn_linear import use_onednn_linears
@@ -61,9 +62,13 @@ def check_supported(model: torch.nn.Module) -> list[StateEntry]:
         if not layout:
             raise UnsupportedModelError(f"{name}: {recurrent_reason}")
     if not type(model)._can_set_attn_implementation():
-        raise UnsupportedModelError(
-            f"{name}'s attention does not go through transformers' AttentionInterface, so kvpage cannot page its KV"
-        )
+        if not has_port(model):
+            raise UnsupportedModelError(
+                f"{name}'s attention does not go through transformers' AttentionInterface, so kvpage cannot page "
+                "its KV")
+        refusal = port_refusal(model)
+        if refusal is not None:
+            raise UnsupportedModelError(f"{name}: {refusal}")
     return layout
 
 
@@ -80,7 +85,11 @@ class HFModelRunner:
         self.device = next(model.parameters()).device
         self.original_attn_implementation = model.config._attn_implementation
         register_kvpage_attention()
-        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        # A family whose attention is inline gets ports (attention_ports) instead of the switch.
+        self._ported = not type(model)._can_set_attn_implementation()
+        self._undo_ports = install_ports(model) if self._ported else (lambda: None)
+        if not self._ported:
+            model.set_attn_implementation(ATTN_IMPLEMENTATION)
         self._undo_linears = use_onednn_linears(model) if onednn_linears else (lambda: None)
         self._undo_position_relay: Callable[[], None] = lambda: None
         self.num_layers = int(model.config.get_text_config().num_hidden_layers)
@@ -317,7 +326,10 @@ class HFModelRunner:
 
     def restore(self) -> None:
         """Switch the model back to the attention implementation and linears it had before."""
-        self.model.set_attn_implementation(self.original_attn_implementation)
+        self._undo_ports()
+        self._undo_ports = lambda: None
+        if not self._ported:
+            self.model.set_attn_implementation(self.original_attn_implementation)
         self._undo_linears()
         self._undo_position_relay()
         self._undo_position_relay = lambda: None

@@ -122,17 +122,23 @@ def kvpage_greedy(model: torch.nn.Module, prompts: list[list[int]], max_new_toke
 
 def _blocks_for_one_request(model: torch.nn.Module, max_model_len: int, options: dict) -> int:
     """Blocks one request of ``max_model_len`` tokens holds in the engine (every KV group of
-    a hybrid model, its sliding groups writing one step's chunk), from the config's spec."""
-    from kvpage.adapters.config_spec import kv_spec_from_config
+    a hybrid model, its sliding groups writing one step's chunk), from the KV spec the
+    engine's own probe finds (a config does not always say which layers slide, or which
+    hold no KV)."""
+    from kvpage.adapters.hf_runner import HFModelRunner
+    from kvpage.kv_storage import KVCacheSpec
 
     bs = options["block_size"]
     chunk = options.get("max_num_batched_tokens", max_model_len) if options.get("enable_chunked_prefill") \
         else max_model_len
+    runner = HFModelRunner(model)
     try:
-        groups = kv_spec_from_config(model.config, bs, "float32").kv_groups()
-    except ValueError:  # a config the planner cannot read: one group, as the engine then uses too
+        spec = KVCacheSpec(tuple(runner.layer_specs), bs, "float32")
+    finally:
+        runner.restore()
+    if not spec.layers:  # recurrent layers only: the blocks just count tokens
         return -(-max_model_len // bs)
-    return groups.blocks_per_request(max_model_len, bs, min(chunk, max_model_len))
+    return spec.kv_groups().blocks_per_request(max_model_len, bs, min(chunk, max_model_len))
 
 
 def compare_with_hf(model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int = 8,

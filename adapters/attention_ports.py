@@ -1,0 +1,166 @@
+"""kvpage attention for families whose HF attention bypasses transformers' AttentionInterface.
+
+A few families (GPT-Neo, Falcon, XGLM, OpenAI GPT) compute attention inline in their attention module, so
+there is no interface call for kvpage to answer. For those, a *port* takes the place of
+each attention module in its parent, on the loaded instance (no class is patched), and
+computes what the original computes with the original's own weights, submodules and
+helpers (its head splits, the modeling file's rotary function), except the attention
+itself, which goes to ``kvpage_attention_forward``: paged attention during a kvpage step,
+SDPA otherwise. ``install_ports(model)`` swaps them in and returns the undo.
+
+A port knows its family's variants; ``port_refusal`` says which it does not serve (Falcon
+with ALiBi: the kernels add no position bias).
+"""
+from __future__ import annotations
+
+import sys
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from .hf_attention import kvpage_attention_forward
+
+
+class _Port(nn.Module):
+    """The common part: the original module (``inner``, kept as a child so its weights stay
+    where the model's other code expects them to move) and its layer index."""
+
+    def __init__(self, inner: nn.Module, layer_idx: int, config) -> None:
+        super().__init__()
+        self.inner = inner
+        self.layer_idx = layer_idx
+        self.config = config
+
+    def _attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
+                sliding_window: Optional[int] = None) -> torch.Tensor:
+        """``[B, H, T, D]`` query and ``[B, H_kv, T, D]`` K/V in; ``[B, T, H * D]`` out."""
+        out, _ = kvpage_attention_forward(self, query, key, value, None, scaling=scaling,
+                                          sliding_window=sliding_window)
+        return out.reshape(*out.shape[:2], -1)
+
+
+class GPTNeoAttentionPort(_Port):
+    """GPT-Neo's self-attention: unscaled scores (its weights absorb the scale), global or
+    local (a sliding window of ``config.window_size``) by layer."""
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask=None, layer_past=None, use_cache: bool = False,
+                output_attentions: bool = False, **kwargs):
+        inner = self.inner
+        heads, dim = inner.num_heads, inner.head_dim
+        query, key, value = (inner._split_heads(proj(hidden_states), heads, dim)
+                             for proj in (inner.q_proj, inner.k_proj, inner.v_proj))
+        window = self.config.window_size if inner.attention_type == "local" else None
+        out = self._attend(query, key, value, scaling=1.0, sliding_window=window)
+        return inner.resid_dropout(inner.out_proj(out)), None
+
+
+class FalconAttentionPort(_Port):
+    """Falcon's attention with rotary positions (every head layout: multi-head, multi-query
+    and the new decoder architecture's grouped KV), scaled by ``1/sqrt(head_dim)``."""
+
+    def forward(self, hidden_states: torch.Tensor, alibi=None, attention_mask=None, position_ids=None,
+                layer_past=None, use_cache: bool = False, output_attentions: bool = False,
+                position_embeddings=None, **kwargs):
+        inner = self.inner
+        if alibi is not None:
+            raise ValueError("Falcon with ALiBi is not ported")  # port_refusal refuses it before any step
+        apply_rotary = sys.modules[type(inner).__module__].apply_rotary_pos_emb
+        query, key, value = inner._split_heads(inner.query_key_value(hidden_states))
+        batch, length = query.shape[:2]
+        kv_heads = inner.num_heads if inner.new_decoder_architecture else inner.num_kv_heads
+        query = query.transpose(1, 2).reshape(batch, inner.num_heads, length, inner.head_dim)
+        key = key.transpose(1, 2).reshape(batch, kv_heads, length, inner.head_dim)
+        value = value.transpose(1, 2).reshape(batch, kv_heads, length, inner.head_dim)
+        cos, sin = position_embeddings
+        query, key = apply_rotary(query, key, cos, sin)
+        out = self._attend(query, key, value, scaling=inner.head_dim ** -0.5)
+        return inner.dense(out), None
+
+
+class XGLMAttentionPort(_Port):
+    """XGLM's self-attention: the query scaled before the product (so kvpage scales by 1)."""
+
+    def forward(self, hidden_states: torch.Tensor, key_value_states=None, attention_mask=None, **kwargs):
+        inner = self.inner
+        if key_value_states is not None:
+            raise ValueError("XGLM cross-attention is not ported")  # port_refusal refuses it before any step
+        batch, length, _ = hidden_states.shape
+
+        def heads(x: torch.Tensor) -> torch.Tensor:
+            return x.view(batch, length, -1, inner.head_dim).transpose(1, 2)
+
+        query = heads(inner.q_proj(hidden_states) * inner.scaling)
+        out = self._attend(query, heads(inner.k_proj(hidden_states)), heads(inner.v_proj(hidden_states)), scaling=1.0)
+        return inner.out_proj(out), None
+
+
+class OpenAIGPTAttentionPort(_Port):
+    """The original GPT's attention (``Conv1D`` projections; scaled only when ``scale``).
+    Its causal mask adds -1e4 where kvpage's excludes: equal once exp() underflows, as it
+    does for any score within 1e4 of the row's largest."""
+
+    def forward(self, x: torch.Tensor, attention_mask=None, output_attentions: bool = False):
+        inner = self.inner
+        query, key, value = (inner.split_heads(t) for t in inner.c_attn(x).split(inner.split_size, dim=2))
+        head_dim = query.shape[-1]
+        out = self._attend(query, key, value, scaling=head_dim ** -0.5 if inner.scale else 1.0)
+        return [inner.resid_dropout(inner.c_proj(out))]
+
+
+def _gpt_neo_sites(model: nn.Module) -> list:
+    return [(block.attn, "attention", block.attn.attention.layer_id) for block in model.transformer.h]
+
+
+def _falcon_sites(model: nn.Module) -> list:
+    return [(block, "self_attention", block.self_attention.layer_idx) for block in model.transformer.h]
+
+
+def _xglm_sites(model: nn.Module) -> list:
+    return [(layer, "self_attn", layer.self_attn.layer_idx) for layer in model.model.layers]
+
+
+def _openai_gpt_sites(model: nn.Module) -> list:
+    return [(block, "attn", index) for index, block in enumerate(model.transformer.h)]
+
+
+#: model_type -> (port class, where its attention modules sit: [(parent, attribute, layer)]).
+PORTS: dict[str, tuple[type, Callable[[nn.Module], list]]] = {
+    "gpt_neo": (GPTNeoAttentionPort, _gpt_neo_sites),
+    "falcon": (FalconAttentionPort, _falcon_sites),
+    "xglm": (XGLMAttentionPort, _xglm_sites),
+    "openai-gpt": (OpenAIGPTAttentionPort, _openai_gpt_sites),
+}
+#: The causal-LM classes the ports are written against (a family's other heads differ).
+_PORTED_CLASSES = {"GPTNeoForCausalLM", "FalconForCausalLM", "XGLMForCausalLM", "OpenAIGPTLMHeadModel"}
+
+
+def has_port(model: nn.Module) -> bool:
+    return getattr(model.config, "model_type", None) in PORTS and type(model).__name__ in _PORTED_CLASSES
+
+
+def port_refusal(model: nn.Module) -> Optional[str]:
+    """Why the family's port cannot serve this model's variant, or None."""
+    config = model.config
+    if config.model_type == "falcon" and getattr(config, "alibi", False):
+        return "Falcon with ALiBi position biases: kvpage's attention adds no position bias"
+    if config.model_type == "xglm" and getattr(config, "add_cross_attention", False):
+        return "XGLM with cross-attention: kvpage serves decoder-only self-attention"
+    return None
+
+
+def install_ports(model: nn.Module) -> Callable[[], None]:
+    """Swap a port in for each attention module of ``model`` (``has_port`` must hold);
+    returns the function that puts the originals back."""
+    port_class, sites_of = PORTS[model.config.model_type]
+    swapped = []
+    for parent, attribute, layer in sites_of(model):
+        original = getattr(parent, attribute)
+        setattr(parent, attribute, port_class(original, int(layer), model.config))
+        swapped.append((parent, attribute, original))
+
+    def undo() -> None:
+        for parent, attribute, original in swapped:
+            setattr(parent, attribute, original)
+
+    return undo

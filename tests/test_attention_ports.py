@@ -1,0 +1,67 @@
+"""Families with inline attention (GPT-Neo, Falcon, XGLM, OpenAI GPT) run through attention ports.
+
+Each tiny model comes from the census's generic config shrinker and runs the census's two
+modes against HF ``generate`` (chunked prefill with prefix hits and preemption on a tiny
+pool; whole prompts). The ports leave the model as it was on ``restore()``.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+tf = pytest.importorskip("transformers")
+
+from kvpage import LLM  # noqa: E402
+from kvpage.adapters.attention_ports import PORTS  # noqa: E402
+from kvpage.adapters.hf_runner import UnsupportedModelError  # noqa: E402
+from kvpage.census.compare import census_prompts, compare_with_hf  # noqa: E402
+from kvpage.census.tiny_config import tiny_config  # noqa: E402
+
+FAMILIES = {
+    "gpt_neo": (tf.GPTNeoConfig, tf.GPTNeoForCausalLM),
+    "falcon": (tf.FalconConfig, tf.FalconForCausalLM),
+    "xglm": (tf.XGLMConfig, tf.XGLMForCausalLM),
+    "openai-gpt": (tf.OpenAIGPTConfig, tf.OpenAIGPTLMHeadModel),
+}
+
+
+def _model(family: str, **overrides):
+    config_class, model_class = FAMILIES[family]
+    torch.manual_seed(0)
+    config = tiny_config(config_class)
+    for name, value in overrides.items():
+        setattr(config, name, value)
+    return model_class._from_config(config, dtype=torch.float32).eval()
+
+
+def test_every_port_is_tested():
+    assert set(FAMILIES) == set(PORTS)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_ported_family_matches_hf_in_both_census_modes(family):
+    model = _model(family)
+    results = compare_with_hf(model, census_prompts(model.get_input_embeddings().weight.shape[0]), 8, 48)
+    assert {mode: r.status for mode, r in results.items()} == {"stress": "exact", "plain": "exact"}, \
+        {mode: r.difference for mode, r in results.items()}
+    assert results["stress"].stats["preemptions"] > 0 and results["stress"].stats["prefix_cache_hits"] > 0
+
+
+@pytest.mark.parametrize("family", ["gpt_neo", "falcon"])
+def test_ports_are_swapped_in_and_out(family):
+    model = _model(family)
+    before = [type(m) for m in model.modules()]
+    llm = LLM(model, block_size=4, num_kv_blocks=32, max_model_len=32)
+    try:
+        ported = [type(m).__name__ for m in model.modules() if type(m).__name__.endswith("AttentionPort")]
+        assert len(ported) == model.config.num_hidden_layers
+    finally:
+        llm.restore()
+    assert [type(m) for m in model.modules()] == before
+
+
+def test_variants_a_port_does_not_serve_are_refused():
+    model = _model("falcon", alibi=True)
+    with pytest.raises(UnsupportedModelError, match="ALiBi"):
+        LLM(model, block_size=4, num_kv_blocks=32, max_model_len=32)
+    assert not any(type(m).__name__.endswith("AttentionPort") for m in model.modules())
