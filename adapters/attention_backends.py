@@ -47,12 +47,13 @@ class ReferenceBackend:
 
     def attention(self, q, key_cache, value_cache, prepared: ReferenceStep, scaling: float,
                   sliding_window: Optional[int], softcap: Optional[float], sinks: Optional[torch.Tensor],
-                  attention_chunk: Optional[int] = None):
+                  attention_chunk: Optional[int] = None, alibi_slopes: Optional[torch.Tensor] = None):
         as_np = lambda t: t.detach().float().cpu().numpy()  # noqa: E731
         md = prepared.metadata
         out = paged_attention_reference(
             as_np(q), as_np(key_cache), as_np(value_cache), md.query_start_loc, md.seq_lens, md.block_tables,
             scaling, sliding_window, softcap, None if sinks is None else as_np(sinks), attention_chunk=attention_chunk,
+            alibi_slopes=None if alibi_slopes is None else as_np(alibi_slopes),
         )
         return torch.from_numpy(out).to(device=q.device, dtype=q.dtype)
 
@@ -77,11 +78,13 @@ class CpuBackend:
         write_kv_cpu(key_cache, value_cache, k, v, metadata=prepared)
 
     def attention(self, q, key_cache, value_cache, prepared, scaling: float, sliding_window: Optional[int],
-                  softcap: Optional[float], sinks: Optional[torch.Tensor], attention_chunk: Optional[int] = None):
+                  softcap: Optional[float], sinks: Optional[torch.Tensor], attention_chunk: Optional[int] = None,
+                  alibi_slopes: Optional[torch.Tensor] = None):
         from kvpage.attention.cpu import paged_attention_cpu
 
         return paged_attention_cpu(q, key_cache, value_cache, scaling=scaling, sliding_window=sliding_window,
-                                   softcap=softcap, sinks=sinks, metadata=prepared, attention_chunk=attention_chunk)
+                                   softcap=softcap, sinks=sinks, metadata=prepared, attention_chunk=attention_chunk,
+                                   alibi_slopes=alibi_slopes)
 
     def write_and_attend(self, q, k, v, key_cache, value_cache, prepared, scaling: float,
                          sliding_window: Optional[int], softcap: Optional[float], sinks: Optional[torch.Tensor],
@@ -126,11 +129,11 @@ class CudaBackend:
 
     def attention(self, q, key_cache, value_cache, prepared: CudaIndices, scaling: float,
                   sliding_window: Optional[int], softcap: Optional[float], sinks: Optional[torch.Tensor],
-                  attention_chunk: Optional[int] = None):
+                  attention_chunk: Optional[int] = None, alibi_slopes: Optional[torch.Tensor] = None):
         from kvpage.cuda import paged_attention
 
-        if attention_chunk:
-            raise ValueError("the CUDA kernels do not implement chunked attention (use device='cpu')")
+        if attention_chunk or alibi_slopes is not None:
+            raise ValueError("the CUDA kernels do not implement chunked attention or ALiBi (use device='cpu')")
 
         return paged_attention(q.contiguous(), key_cache, value_cache, prepared.query_start_loc, prepared.seq_lens,
                                prepared.block_tables, scaling, sliding_window, softcap,

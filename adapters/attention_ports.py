@@ -1,6 +1,6 @@
 """kvpage attention for families whose HF attention bypasses transformers' AttentionInterface.
 
-A few families (GPT-Neo, Falcon, XGLM, OpenAI GPT) compute attention inline in their attention module, so
+A few families (GPT-Neo, Falcon, XGLM, OpenAI GPT, Bloom, MPT) compute attention inline in their attention module, so
 there is no interface call for kvpage to answer. For those, a *port* takes the place of
 each attention module in its parent, on the loaded instance (no class is patched), and
 computes what the original computes with the original's own weights, submodules and
@@ -8,8 +8,12 @@ helpers (its head splits, the modeling file's rotary function), except the atten
 itself, which goes to ``kvpage_attention_forward``: paged attention during a kvpage step,
 SDPA otherwise. ``install_ports(model)`` swaps them in and returns the undo.
 
-A port knows its family's variants; ``port_refusal`` says which it does not serve (Falcon
-with ALiBi: the kernels add no position bias).
+ALiBi families (Bloom, MPT, Falcon's ALiBi variant) build a position-bias tensor over the
+forward's rows, which in a kvpage step are many sequences. Their ports ignore it and carry
+the heads' slopes instead (``alibi_slopes``, read off the model's own ALiBi builder); the
+runner hands them to the attention backend per site, which adds ``slope * key position``
+within each sequence. A port knows its family's variants; ``port_refusal`` says which it
+does not serve.
 """
 from __future__ import annotations
 
@@ -25,6 +29,8 @@ from .hf_attention import kvpage_attention_forward
 class _Port(nn.Module):
     """The common part: the original module (``inner``, kept as a child so its weights stay
     where the model's other code expects them to move) and its layer index."""
+
+    alibi_slopes: Optional[torch.Tensor] = None  # float32 [heads], for ALiBi families
 
     def __init__(self, inner: nn.Module, layer_idx: int, config) -> None:
         super().__init__()
@@ -56,15 +62,19 @@ class GPTNeoAttentionPort(_Port):
 
 
 class FalconAttentionPort(_Port):
-    """Falcon's attention with rotary positions (every head layout: multi-head, multi-query
-    and the new decoder architecture's grouped KV), scaled by ``1/sqrt(head_dim)``."""
+    """Falcon's attention (every head layout: multi-head, multi-query and the new decoder
+    architecture's grouped KV), scaled by ``1/sqrt(head_dim)``, with rotary positions or
+    ALiBi (whose bias Falcon scales with the scores)."""
+
+    def __init__(self, inner: nn.Module, layer_idx: int, config) -> None:
+        super().__init__(inner, layer_idx, config)
+        if config.alibi:
+            self.alibi_slopes = _bloom_slopes(inner, inner.num_heads) * inner.inv_norm_factor
 
     def forward(self, hidden_states: torch.Tensor, alibi=None, attention_mask=None, position_ids=None,
                 layer_past=None, use_cache: bool = False, output_attentions: bool = False,
                 position_embeddings=None, **kwargs):
         inner = self.inner
-        if alibi is not None:
-            raise ValueError("Falcon with ALiBi is not ported")  # port_refusal refuses it before any step
         apply_rotary = sys.modules[type(inner).__module__].apply_rotary_pos_emb
         query, key, value = inner._split_heads(inner.query_key_value(hidden_states))
         batch, length = query.shape[:2]
@@ -72,8 +82,9 @@ class FalconAttentionPort(_Port):
         query = query.transpose(1, 2).reshape(batch, inner.num_heads, length, inner.head_dim)
         key = key.transpose(1, 2).reshape(batch, kv_heads, length, inner.head_dim)
         value = value.transpose(1, 2).reshape(batch, kv_heads, length, inner.head_dim)
-        cos, sin = position_embeddings
-        query, key = apply_rotary(query, key, cos, sin)
+        if self.alibi_slopes is None:
+            cos, sin = position_embeddings
+            query, key = apply_rotary(query, key, cos, sin)
         out = self._attend(query, key, value, scaling=inner.head_dim ** -0.5)
         return inner.dense(out), None
 
@@ -108,6 +119,52 @@ class OpenAIGPTAttentionPort(_Port):
         return [inner.resid_dropout(inner.c_proj(out))]
 
 
+class BloomAttentionPort(_Port):
+    """Bloom's attention: ALiBi, scores scaled by ``1/sqrt(head_dim)``; like the original it
+    adds the residual (with dropout) itself."""
+
+    def __init__(self, inner: nn.Module, layer_idx: int, config) -> None:
+        super().__init__(inner, layer_idx, config)
+        self.alibi_slopes = _bloom_slopes(inner, inner.num_heads)
+
+    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor, alibi=None, attention_mask=None,
+                layer_past=None, use_cache: bool = False, output_attentions: bool = False, **kwargs):
+        inner = self.inner
+        query, key, value = inner._reshape(inner.query_key_value(hidden_states))
+        out = self._attend(query, key, value, scaling=inner.inv_norm_factor)
+        dropout_add = sys.modules[type(inner).__module__].dropout_add
+        return dropout_add(inner.dense(out), residual, inner.hidden_dropout, inner.training), None
+
+
+class MptAttentionPort(_Port):
+    """MPT's attention: ``softmax_scale``, optional ``clip_qkv``, ALiBi when configured."""
+
+    def __init__(self, inner: nn.Module, layer_idx: int, config, model: nn.Module) -> None:
+        super().__init__(inner, layer_idx, config)
+        if config.attn_config.alibi:
+            bias = model.transformer.build_mpt_alibi_tensor(inner.n_heads, 2, config.attn_config.alibi_bias_max)
+            self.alibi_slopes = (bias[:, 0, 1] - bias[:, 0, 0]).float()  # [heads, 1, 2]: slope per position
+
+    def forward(self, hidden_states: torch.Tensor, position_bias=None, attention_mask=None, **kwargs):
+        inner = self.inner
+        batch, length = hidden_states.shape[:2]
+        mixed = inner.Wqkv(hidden_states)
+        if inner.clip_qkv:
+            mixed = mixed.clamp(min=-inner.clip_qkv, max=inner.clip_qkv)
+        query, key, value = (t.reshape(batch, length, inner.n_heads, inner.head_dim).transpose(1, 2)
+                             for t in mixed.chunk(3, dim=2))
+        out = self._attend(query, key, value, scaling=inner.softmax_scale)
+        return inner.out_proj(out), None
+
+
+def _bloom_slopes(inner: nn.Module, num_heads: int) -> torch.Tensor:
+    """The heads' ALiBi slopes from the modeling file's own builder (Bloom's; Falcon reuses it):
+    the bias it gives position 1 of a two-token sequence."""
+    build = sys.modules[type(inner).__module__].build_alibi_tensor
+    bias = build(torch.ones(1, 2), num_heads, torch.float32)  # [heads, 1, 2]
+    return (bias[:, 0, 1] - bias[:, 0, 0]).float()
+
+
 def _gpt_neo_sites(model: nn.Module) -> list:
     return [(block.attn, "attention", block.attn.attention.layer_id) for block in model.transformer.h]
 
@@ -124,15 +181,26 @@ def _openai_gpt_sites(model: nn.Module) -> list:
     return [(block, "attn", index) for index, block in enumerate(model.transformer.h)]
 
 
+def _bloom_sites(model: nn.Module) -> list:
+    return [(block, "self_attention", block.self_attention.layer_idx) for block in model.transformer.h]
+
+
+def _mpt_sites(model: nn.Module) -> list:
+    return [(block, "attn", block.attn.layer_idx) for block in model.transformer.blocks]
+
+
 #: model_type -> (port class, where its attention modules sit: [(parent, attribute, layer)]).
 PORTS: dict[str, tuple[type, Callable[[nn.Module], list]]] = {
     "gpt_neo": (GPTNeoAttentionPort, _gpt_neo_sites),
     "falcon": (FalconAttentionPort, _falcon_sites),
     "xglm": (XGLMAttentionPort, _xglm_sites),
     "openai-gpt": (OpenAIGPTAttentionPort, _openai_gpt_sites),
+    "bloom": (BloomAttentionPort, _bloom_sites),
+    "mpt": (MptAttentionPort, _mpt_sites),
 }
 #: The causal-LM classes the ports are written against (a family's other heads differ).
-_PORTED_CLASSES = {"GPTNeoForCausalLM", "FalconForCausalLM", "XGLMForCausalLM", "OpenAIGPTLMHeadModel"}
+_PORTED_CLASSES = {"GPTNeoForCausalLM", "FalconForCausalLM", "XGLMForCausalLM", "OpenAIGPTLMHeadModel",
+                   "BloomForCausalLM", "MptForCausalLM"}
 
 
 def has_port(model: nn.Module) -> bool:
@@ -142,8 +210,8 @@ def has_port(model: nn.Module) -> bool:
 def port_refusal(model: nn.Module) -> Optional[str]:
     """Why the family's port cannot serve this model's variant, or None."""
     config = model.config
-    if config.model_type == "falcon" and getattr(config, "alibi", False):
-        return "Falcon with ALiBi position biases: kvpage's attention adds no position bias"
+    if config.model_type == "bloom" and config.pretraining_tp > 1 and config.slow_but_exact:
+        return "Bloom with slow_but_exact tensor-parallel slices: kvpage runs the output projection whole"
     if config.model_type == "xglm" and getattr(config, "add_cross_attention", False):
         return "XGLM with cross-attention: kvpage serves decoder-only self-attention"
     return None
@@ -156,7 +224,8 @@ def install_ports(model: nn.Module) -> Callable[[], None]:
     swapped = []
     for parent, attribute, layer in sites_of(model):
         original = getattr(parent, attribute)
-        setattr(parent, attribute, port_class(original, int(layer), model.config))
+        extra = (model,) if port_class is MptAttentionPort else ()
+        setattr(parent, attribute, port_class(original, int(layer), model.config, *extra))
         swapped.append((parent, attribute, original))
 
     def undo() -> None:
@@ -164,3 +233,8 @@ def install_ports(model: nn.Module) -> Callable[[], None]:
             setattr(parent, attribute, original)
 
     return undo
+
+
+def alibi_slopes_by_layer(model: nn.Module) -> dict:
+    """``{layer: float32 slopes [heads]}`` of the installed ports that use ALiBi."""
+    return {m.layer_idx: m.alibi_slopes for m in model.modules() if isinstance(m, _Port) and m.alibi_slopes is not None}

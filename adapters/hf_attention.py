@@ -53,10 +53,12 @@ class AttentionBackend(Protocol):
 
     def attention(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, prepared: Any,
                   scaling: float, sliding_window: Optional[int], softcap: Optional[float],
-                  sinks: Optional[torch.Tensor], attention_chunk: Optional[int] = None) -> torch.Tensor:
+                  sinks: Optional[torch.Tensor], attention_chunk: Optional[int] = None,
+                  alibi_slopes: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Paged attention of ``q`` ``[T, H, D]`` over each sequence's context; ``[T, H, D]``.
-        ``attention_chunk`` (chunked attention, Llama 4) is passed only for such layers; a
-        backend that cannot mask by chunks raises ``ValueError``."""
+        ``attention_chunk`` (chunked attention, Llama 4) and ``alibi_slopes`` (``[H]``
+        float32, ALiBi: Bloom, MPT) are passed only for such layers; a backend that cannot
+        apply them raises ``ValueError``."""
 
     # Optional: ``write_and_attend(q, k, v, key_cache, value_cache, prepared, scaling,
     # sliding_window, softcap, sinks, write=True)``, ``write_kv`` (unless ``write`` is False)
@@ -93,6 +95,7 @@ class PagedForwardContext:
     first_site: Optional[dict] = None  # None: one site per layer, site == layer
     site_prepared: Optional[list] = None  # None: every site reads ``prepared``
     site_chunks: Optional[list] = None  # each site's attention chunk (None: no chunked site)
+    site_alibi: Optional[list] = None  # each site's ALiBi slopes (None: no ALiBi site)
     _calls: dict = field(default_factory=dict)  # layer -> calls so far this forward
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
@@ -108,11 +111,15 @@ class PagedForwardContext:
         key_cache, value_cache = self.key_caches[site], self.value_caches[site]
         prepared = self.prepared if self.site_prepared is None else self.site_prepared[site]
         chunk = self.site_chunks[site] if self.site_chunks is not None else None
-        if chunk:
+        slopes = self.site_alibi[site] if self.site_alibi is not None else None
+        if chunk or slopes is not None:  # only some backends mask by chunks or add ALiBi
             if site not in self.reading_only:
                 self.backend.write_kv(key_cache, value_cache, k, v, prepared)
+            extra = {"attention_chunk": chunk} if chunk else {}
+            if slopes is not None:
+                extra["alibi_slopes"] = slopes
             return self.backend.attention(q, key_cache, value_cache, prepared, scaling, sliding_window, softcap,
-                                          sinks, attention_chunk=chunk)
+                                          sinks, **extra)
         fused = getattr(self.backend, "write_and_attend", None)
         if fused is not None:
             return fused(q, k, v, key_cache, value_cache, prepared, scaling, sliding_window, softcap, sinks,

@@ -272,6 +272,9 @@ def _assemble(runner: HFModelRunner, model: torch.nn.Module, tokenizer: Any, con
     spec = kv_cache_spec(runner, config)
     backend = select_backend(config.attention_backend, runner.device)
     check_backend_fits(spec, backend.name)
+    if backend.name == "cuda" and runner.uses_alibi:
+        raise UnsupportedModelError("this model's attention adds ALiBi position biases, which the CUDA kernels do "
+                                    "not implement (use device='cpu')")
     groups = kv_groups(spec, config)
     cache_config = config.cache_config(size_kv_cache(runner, spec, config, max_model_len, groups),
                                        spec.bytes_per_block_of(groups), max_model_len, groups.windows,

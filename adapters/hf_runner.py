@@ -22,7 +22,7 @@ from kvpage.core.kv_groups import KVCacheGroups
 from kvpage.core.metadata import StepMetadata
 from kvpage.kv_storage import LayerKVSpec, PagedKVCache
 
-from .attention_ports import has_port, install_ports, port_refusal
+from .attention_ports import alibi_slopes_by_layer, has_port, install_ports, port_refusal
 from .compiled_forward import CompiledForward
 from .layer_kinds import attention_modules_of_layer, unsupported_layer_reason
 from .onednn_linear import use_onednn_linears
@@ -101,6 +101,7 @@ class HFModelRunner:
         self.compiled: Optional[CompiledForward] = None  # set by compile()
         self.reading_only: frozenset = frozenset()
         self.site_chunks: Optional[list] = None  # each site's attention chunk, where some layer attends in chunks
+        self.site_alibi: Optional[list] = None  # each site's ALiBi slopes, for ported ALiBi families
         self.site_layers: list = []  # the layer of each attention call site (see PagedForwardContext)
         self.first_site: Optional[dict] = None
         self.site_group: Optional[list] = None  # hybrid KV groups: each site's group
@@ -222,10 +223,17 @@ class HFModelRunner:
         self.reading_only = frozenset(i for i, layer in enumerate(kv_cache.spec.layers) if layer.reuses is not None)
         chunks = [layer.attention_chunk for layer in kv_cache.spec.layers]
         self.site_chunks = chunks if any(chunks) else None
+        slopes = alibi_slopes_by_layer(self.model) if self._ported else {}
+        self.site_alibi = [slopes.get(layer) for layer in self.site_layers] if slopes else None
         groups: Optional[KVCacheGroups] = kv_cache.groups
         self.site_group = None if groups is None else \
             [groups.position_of_layer(site)[0] for site in range(kv_cache.spec.num_layers)]
         self.backend = backend
+
+    @property
+    def uses_alibi(self) -> bool:
+        """Whether some attention site adds ALiBi position biases (a ported ALiBi family)."""
+        return self._ported and bool(alibi_slopes_by_layer(self.model))
 
     def allocate_state_slots(self, num_slots: int) -> int:
         """Allocate ``num_slots`` slots of every recurrent state (nothing for an
@@ -265,7 +273,7 @@ class HFModelRunner:
         return PagedForwardContext(self.key_caches, self.value_caches, self.backend, prepared,
                                    num_real_tokens=metadata.num_tokens, reading_only=self.reading_only,
                                    first_site=self.first_site, site_prepared=site_prepared,
-                                   site_chunks=self.site_chunks)
+                                   site_chunks=self.site_chunks, site_alibi=self.site_alibi)
 
     def _execute_stateful(self, metadata: StepMetadata) -> torch.Tensor:
         """The step as one forward ``[n, L]`` per group of sequences sharing a query length

@@ -1,8 +1,9 @@
-"""Families with inline attention (GPT-Neo, Falcon, XGLM, OpenAI GPT) run through attention ports.
+"""Families with inline attention (GPT-Neo, Falcon, XGLM, OpenAI GPT, Bloom, MPT) run through ports.
 
 Each tiny model comes from the census's generic config shrinker and runs the census's two
 modes against HF ``generate`` (chunked prefill with prefix hits and preemption on a tiny
-pool; whole prompts). The ports leave the model as it was on ``restore()``.
+pool; whole prompts); Bloom, MPT and Falcon's ALiBi variant add ALiBi in kvpage's
+attention. The ports leave the model as it was on ``restore()``.
 """
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ FAMILIES = {
     "falcon": (tf.FalconConfig, tf.FalconForCausalLM),
     "xglm": (tf.XGLMConfig, tf.XGLMForCausalLM),
     "openai-gpt": (tf.OpenAIGPTConfig, tf.OpenAIGPTLMHeadModel),
+    "bloom": (tf.BloomConfig, tf.BloomForCausalLM),
+    "mpt": (tf.MptConfig, tf.MptForCausalLM),
 }
 
 
@@ -38,9 +41,9 @@ def test_every_port_is_tested():
     assert set(FAMILIES) == set(PORTS)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_ported_family_matches_hf_in_both_census_modes(family):
-    model = _model(family)
+@pytest.mark.parametrize("family, overrides", [(family, {}) for family in FAMILIES] + [("falcon", {"alibi": True})])
+def test_ported_family_matches_hf_in_both_census_modes(family, overrides):
+    model = _model(family, **overrides)
     results = compare_with_hf(model, census_prompts(model.get_input_embeddings().weight.shape[0]), 8, 48)
     assert {mode: r.status for mode, r in results.items()} == {"stress": "exact", "plain": "exact"}, \
         {mode: r.difference for mode, r in results.items()}
@@ -61,7 +64,7 @@ def test_ports_are_swapped_in_and_out(family):
 
 
 def test_variants_a_port_does_not_serve_are_refused():
-    model = _model("falcon", alibi=True)
-    with pytest.raises(UnsupportedModelError, match="ALiBi"):
+    model = _model("bloom", pretraining_tp=2, slow_but_exact=True)
+    with pytest.raises(UnsupportedModelError, match="slow_but_exact"):
         LLM(model, block_size=4, num_kv_blocks=32, max_model_len=32)
     assert not any(type(m).__name__.endswith("AttentionPort") for m in model.modules())

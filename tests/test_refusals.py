@@ -26,8 +26,8 @@ CASES = {
     "doge": (tf.DogeConfig, tf.DogeForCausalLM, "mask or bias of its own making"),
     # a learned relative-position bias handed to attention
     "inkling_text": (tf.InklingTextConfig, tf.InklingForCausalLM, "mask or bias of its own making"),
-    # attention outside the interface
-    "bloom": (tf.BloomConfig, tf.BloomForCausalLM, "AttentionInterface"),
+    # attention outside the interface, with no port (attention_ports)
+    "gpt_neox_japanese": (tf.GPTNeoXJapaneseConfig, tf.GPTNeoXJapaneseForCausalLM, "AttentionInterface"),
 }
 
 

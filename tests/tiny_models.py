@@ -13,6 +13,12 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden
               initializer_range=0.15, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
 
+def _census_tiny(config_class):
+    from kvpage.census.tiny_config import tiny_config
+
+    return tiny_config(config_class)
+
+
 def _configs() -> dict:
     import transformers as tf
 
@@ -79,7 +85,7 @@ def _configs() -> dict:
                                             max_position_embeddings=256, init_std=0.15, pad_token_id=0,
                                             eos_token_id=1),
         # Not supported: attention bypasses the interface, or there is no attention at all.
-        "bloom": lambda: tf.BloomConfig(vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4),
+        "gpt_neox_japanese": lambda: _census_tiny(tf.GPTNeoXJapaneseConfig),
         "stablelm": lambda: tf.StableLmConfig(**llama_like),
         "nemotron": lambda: tf.NemotronConfig(**{**llama_like, "hidden_act": "relu2"}, partial_rotary_factor=0.5),
         # Recurrent state (state-space mixers, gated delta nets) in state slots beside the paged KV.
@@ -101,7 +107,7 @@ EXTENDED_FAMILIES = ["gpt_oss", "gpt_bigcode", "gptj", "codegen", "starcoder2", 
                      "granite", "smollm3", "stablelm", "nemotron", "deepseek_v3", "minicpm3", "gemma3n_text",
                      "diffllama", "bart", "pegasus"]
 RECURRENT_FAMILIES = ["mamba", "jamba", "qwen3_next"]
-UNSUPPORTED_FAMILIES = ["bloom"]
+UNSUPPORTED_FAMILIES = ["gpt_neox_japanese"]
 
 
 def tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32):

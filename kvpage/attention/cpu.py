@@ -188,6 +188,7 @@ def paged_attention_cpu(
     decode_backend: Optional[str] = None,
     prefill_backend: Optional[str] = None,
     attention_chunk: Optional[int] = None,
+    alibi_slopes=None,
 ):
     """The contract's ``paged_attention`` on CPU; torch tensors or numpy arrays in, same kind out.
 
@@ -198,7 +199,8 @@ def paged_attention_cpu(
     Backends: ``"numba"`` or ``"torch"`` per phase (defaults ``DECODE_BACKEND`` /
     ``PREFILL_BACKEND``); numpy inputs use numba (the reference if numba is missing).
     K and V of different shapes always take torch (the reference for numpy inputs), and
-    so does chunked attention (``attention_chunk``, Llama 4), which only those two mask.
+    so do chunked attention (``attention_chunk``, Llama 4) and ALiBi (``alibi_slopes``,
+    Bloom, MPT), which only those two implement.
     """
     if scaling is None:
         raise ValueError("scaling is required")
@@ -206,19 +208,23 @@ def paged_attention_cpu(
         if query_start_loc is None or seq_lens is None or block_tables is None:
             raise ValueError("pass query_start_loc, seq_lens and block_tables, or metadata=")
         metadata = prepare_cpu_attention_metadata(query_start_loc, seq_lens, block_tables)
-    if attention_chunk:
+    if attention_chunk or alibi_slopes is not None:
         if not _is_torch(q):
             from .reference import paged_attention_reference
 
             return paged_attention_reference(q, key_cache, value_cache, metadata.query_start_loc, metadata.seq_lens,
                                              metadata.block_tables, scaling, sliding_window, softcap, sinks,
-                                             attention_chunk=attention_chunk)
+                                             attention_chunk=attention_chunk, alibi_slopes=alibi_slopes)
+        import torch
+
         from .torch_cpu import paged_attention_torch
 
         return paged_attention_torch(q, key_cache, value_cache, metadata.torch_index("query_start_loc"),
                                      metadata.torch_index("seq_lens"), metadata.torch_index("block_tables"), scaling,
                                      sliding_window, softcap, sinks, num_decodes=metadata.num_decodes,
-                                     attention_chunk=attention_chunk)
+                                     attention_chunk=attention_chunk,
+                                     alibi_slopes=None if alibi_slopes is None else torch.as_tensor(
+                                         alibi_slopes, dtype=torch.float32))
     decode_backend = decode_backend or DECODE_BACKEND
     prefill_backend = prefill_backend or PREFILL_BACKEND
     if not _numba_available() or kv_layouts_differ(key_cache, value_cache):

@@ -6,6 +6,9 @@ Semantics shared by all backends (positions are absolute within a sequence):
     as in transformers' masks);
   * with ``attention_chunk`` C (Llama 4's chunked attention), also j >= (p // C) * C:
     a query sees only its own chunk of C positions;
+  * with ``alibi_slopes`` (one per query head, ALiBi: Bloom, MPT) head h's score for key
+    position j gains ``slopes[h] * j`` (the same as ``slopes[h] * (j - p)``, since a softmax
+    row ignores a constant);
   * scores are ``q . k * scaling``; with ``softcap`` c they become ``c * tanh(score / c)``;
   * with ``sinks`` (one logit per query head) the softmax denominator gains
     ``exp(sink)``, and the sink contributes no value (gpt-oss);
@@ -50,6 +53,7 @@ def paged_attention_reference(
     softcap: Optional[float] = None,
     sinks: Optional[np.ndarray] = None,
     attention_chunk: Optional[int] = None,
+    alibi_slopes: Optional[np.ndarray] = None,
 ) -> np.ndarray:
     num_tokens, num_heads, head_dim = q.shape
     for cache in (key_cache, value_cache):
@@ -70,6 +74,9 @@ def paged_attention_reference(
         scores = np.einsum("qhd,shd->hqs", queries, keys) * np.float32(scaling)
         if softcap:
             scores = np.float32(softcap) * np.tanh(scores / np.float32(softcap))
+        if alibi_slopes is not None:
+            slopes = np.asarray(alibi_slopes, dtype=np.float32).reshape(num_heads, 1, 1)
+            scores = scores + slopes * np.arange(seq_len, dtype=np.float32)[None, None, :]
         q_pos = np.arange(seq_len - (end - start), seq_len)[:, None]
         k_pos = np.arange(seq_len)[None, :]
         allowed = k_pos <= q_pos

@@ -12,8 +12,8 @@ Two paths:
   * prefill / chunked prefill (the rest): per sequence, gather ``[L, H_kv, D]`` and run
     SDPA with ``enable_gqa=True`` and a bottom-right aligned causal mask (queries are the
     last ``q_len`` positions of the context).
-  Softcap and sinks are not SDPA features: those calls take an explicit fp32 path
-  (matmul, tanh, mask, softmax with the sink in the denominator).
+  Softcap, sinks and ALiBi are not SDPA features here: those calls take an explicit fp32
+  path (matmul, tanh, position bias, mask, softmax with the sink in the denominator).
 
 The gather copies the context once, so at decode this path is several times the
 no-paging bound (numbers in :mod:`kvpage.attention.cpu`): it is the decode fallback when
@@ -81,14 +81,18 @@ def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _attend_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scaling: float,
-                 softcap: Optional[float], sinks: Optional[torch.Tensor]) -> torch.Tensor:
+                 softcap: Optional[float], sinks: Optional[torch.Tensor],
+                 bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Explicit fp32 attention ``q [..., M, D]`` x ``k, v [..., S, D]``, boolean ``mask`` [..., M, S].
 
-    For softcap / sinks, which SDPA lacks. ``sinks`` broadcasts as ``[..., M, 1]``.
+    For softcap / sinks / ALiBi, which SDPA lacks. ``sinks`` broadcasts as ``[..., M, 1]``,
+    ``bias`` (added after the softcap) as ``[..., M, S]``.
     """
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scaling
     if softcap:
         scores = softcap * torch.tanh(scores / softcap)
+    if bias is not None:
+        scores = scores + bias
     scores = scores.masked_fill(~mask, float("-inf"))
     if sinks is not None:
         scores = torch.cat([scores, sinks.float().expand(*scores.shape[:-1], 1)], dim=-1)
@@ -101,7 +105,7 @@ def _attend_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
 def decode_torch(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, seq_lens: torch.Tensor,
                  block_tables: torch.Tensor, scaling: float, sliding_window: Optional[int] = None,
                  softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None, *,
-                 attention_chunk: Optional[int] = None) -> torch.Tensor:
+                 attention_chunk: Optional[int] = None, alibi_slopes: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Batched decode: ``q [B, H, D]`` (one row per sequence), int64 ``seq_lens [B]``, ``block_tables [B, *]``;
     returns ``[B, H, D_v]``."""
     num_seqs, num_heads, head_dim = q.shape
@@ -118,8 +122,9 @@ def decode_torch(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
     mask = _allowed(lens - 1, k_pos, lens, sliding_window, attention_chunk)  # [B, 1, 1, S]
     sink = None if sinks is None else sinks.view(1, num_kv_heads, group, 1)
     qg = q.view(num_seqs, num_kv_heads, group, head_dim)
-    if softcap or sinks is not None:
-        out = _attend_math(qg, k, v, mask, scaling, softcap, sink)
+    if softcap or sinks is not None or alibi_slopes is not None:
+        bias = None if alibi_slopes is None else alibi_slopes.float().view(1, num_kv_heads, group, 1) * k_pos
+        out = _attend_math(qg, k, v, mask, scaling, softcap, sink, bias)
     else:
         full = not sliding_window and not attention_chunk and bool((seq_lens == max_blocks * block_size).all())
         attn_mask = None if full else _additive(mask, q.dtype)  # nothing to mask: let SDPA skip it
@@ -130,7 +135,8 @@ def decode_torch(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
 def prefill_one_torch(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, seq_len: int,
                       block_ids: torch.Tensor, scaling: float, sliding_window: Optional[int] = None,
                       softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None, *,
-                      attention_chunk: Optional[int] = None) -> torch.Tensor:
+                      attention_chunk: Optional[int] = None, alibi_slopes: Optional[torch.Tensor] = None
+                      ) -> torch.Tensor:
     """One sequence: ``q [Q, H, D]`` are the last ``Q`` positions of a ``seq_len``-token context;
     returns ``[Q, H, D_v]``."""
     q_len, num_heads, head_dim = q.shape
@@ -141,7 +147,7 @@ def prefill_one_torch(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     k, v = _same_heads(k, v, num_heads, dim=0)
     num_kv_heads = k.shape[0]
     group = num_heads // num_kv_heads
-    if not softcap and sinks is None:
+    if not softcap and sinks is None and alibi_slopes is None:
         # 4-D with enable_gqa takes SDPA's blocked CPU kernel (3-D / grouped rows fall back to
         # a ~5x slower path); is_causal is top-left aligned, right only when q_len == seq_len.
         causal = q_len == seq_len and not sliding_window and not attention_chunk
@@ -154,7 +160,10 @@ def prefill_one_torch(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     sink = None if sinks is None else sinks.view(num_kv_heads, group, 1, 1).expand(-1, -1, q_len, 1).reshape(
         num_kv_heads, group * q_len, 1)
     mask = _prefill_mask(q_len, seq_len, sliding_window, attention_chunk).repeat(group, 1)
-    out = _attend_math(qg, k, v, mask, scaling, softcap, sink)  # [H_kv, group * Q, D_v]
+    bias = None if alibi_slopes is None else (alibi_slopes.float().view(num_kv_heads, group, 1, 1)
+                                              * torch.arange(seq_len, dtype=torch.float32)).expand(
+        -1, -1, q_len, -1).reshape(num_kv_heads, group * q_len, seq_len)
+    out = _attend_math(qg, k, v, mask, scaling, softcap, sink, bias)  # [H_kv, group * Q, D_v]
     return out.reshape(num_heads, q_len, v.shape[-1]).transpose(0, 1)
 
 
@@ -179,6 +188,7 @@ def paged_attention_torch(
     *,
     num_decodes: Optional[int] = None,
     attention_chunk: Optional[int] = None,
+    alibi_slopes: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """The contract's ``paged_attention`` on torch CPU tensors; returns ``[T, H, D_v]`` in ``q``'s dtype.
 
@@ -198,11 +208,12 @@ def paged_attention_torch(
     if num_decodes:
         out[:num_decodes] = decode_torch(q[:num_decodes], key_cache, value_cache, lens[:num_decodes],
                                          tables[:num_decodes], scaling, sliding_window, softcap, sinks_t,
-                                         attention_chunk=attention_chunk)
+                                         attention_chunk=attention_chunk, alibi_slopes=alibi_slopes)
     bounds = qsl.tolist()
     for i, seq_len in enumerate(lens.tolist()[num_decodes:], start=num_decodes):
         start, end = bounds[i], bounds[i + 1]
         if end > start:
             out[start:end] = prefill_one_torch(q[start:end], key_cache, value_cache, seq_len, tables[i], scaling,
-                                               sliding_window, softcap, sinks_t, attention_chunk=attention_chunk)
+                                               sliding_window, softcap, sinks_t, attention_chunk=attention_chunk,
+                                               alibi_slopes=alibi_slopes)
     return out

@@ -1,8 +1,11 @@
-"""Chunked attention (Llama 4): a query at position p sees keys j with (p // C) * C <= j <= p.
+"""Attention variants beyond causal/sliding masks: chunked attention (Llama 4: a query at
+position p sees keys j with (p // C) * C <= j <= p) and ALiBi (Bloom, MPT: head h adds
+``slope[h] * j`` to the score of key position j).
 
 The numpy reference is checked against a dense brute force, the torch path and the CPU
 dispatcher against the reference, and a tiny Llama 4 (chunked, NoPE and full layers)
-against HF ``generate`` under chunked prefill and preemption.
+against HF ``generate`` under chunked prefill and preemption (the ALiBi families run end
+to end in ``test_attention_ports``).
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ from test_attention_cpu import BS, SCALE, SCENARIOS, make_case
 CHUNK = 12  # not a multiple of the block size: chunk edges fall inside blocks
 
 
-def _brute_force(q, kc, vc, qsl, lens, tables, chunk):
+def _brute_force(q, kc, vc, qsl, lens, tables, chunk, slopes=None):
     out = np.zeros((q.shape[0], q.shape[1], vc.shape[3]), np.float32)
     group = q.shape[1] // kc.shape[2]
     for i, seq_len in enumerate(lens.tolist()):
@@ -32,6 +35,8 @@ def _brute_force(q, kc, vc, qsl, lens, tables, chunk):
             p = seq_len - (end - row)
             lo = p // chunk * chunk
             scores = np.einsum("hd,shd->hs", q[row], keys[lo:p + 1]) * SCALE
+            if slopes is not None:
+                scores = scores + slopes[:, None] * np.arange(lo, p + 1)[None, :]
             weights = np.exp(scores - scores.max(axis=1, keepdims=True))
             weights /= weights.sum(axis=1, keepdims=True)
             out[row] = np.einsum("hs,shd->hd", weights, values[lo:p + 1])
@@ -48,15 +53,32 @@ def test_reference_masks_by_chunk(scenario):
         assert not np.allclose(got, paged_attention_reference(*case, SCALE), atol=1e-3)
 
 
-@pytest.mark.parametrize("option", [{}, {"sliding_window": 5}, {"softcap": 4.0}])
+SLOPES = (0.5 ** np.arange(1, 9)).astype(np.float32)  # one per query head (make_case has 8)
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_reference_adds_alibi(scenario):
+    case = make_case(np.random.default_rng(4), *SCENARIOS[scenario])
+    big_chunk = 10**6  # no chunking: the brute force's chunk mask is then plain causal
+    want = _brute_force(*case, big_chunk, SLOPES)
+    np.testing.assert_allclose(paged_attention_reference(*case, SCALE, alibi_slopes=SLOPES), want,
+                               atol=3e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("option", [{}, {"sliding_window": 5}, {"softcap": 4.0}, {"alibi_slopes": SLOPES},
+                                    {"alibi_slopes": SLOPES, "attention_chunk": None}])
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_torch_and_dispatcher_match_the_reference(scenario, option):
     q, kc, vc, qsl, lens, tables = make_case(np.random.default_rng(2), *SCENARIOS[scenario])
-    want = paged_attention_reference(q, kc, vc, qsl, lens, tables, SCALE, attention_chunk=CHUNK, **option)
+    option = {"attention_chunk": CHUNK, **option}
+    want = paged_attention_reference(q, kc, vc, qsl, lens, tables, SCALE, **option)
     tq, tk, tv = (torch.from_numpy(a) for a in (q, kc, vc))
-    got = paged_attention_torch(tq, tk, tv, qsl, lens, tables, SCALE, attention_chunk=CHUNK, **option)
+    torch_option = dict(option)
+    if "alibi_slopes" in option:
+        torch_option["alibi_slopes"] = torch.from_numpy(option["alibi_slopes"])
+    got = paged_attention_torch(tq, tk, tv, qsl, lens, tables, SCALE, **torch_option)
     np.testing.assert_allclose(got.numpy(), want, atol=3e-5, rtol=1e-5)
-    dispatched = paged_attention_cpu(tq, tk, tv, qsl, lens, tables, SCALE, attention_chunk=CHUNK, **option)
+    dispatched = paged_attention_cpu(tq, tk, tv, qsl, lens, tables, SCALE, **option)
     np.testing.assert_allclose(dispatched.numpy(), want, atol=3e-5, rtol=1e-5)
 
 
