@@ -1,6 +1,8 @@
 """kvpage attention for families whose HF attention bypasses transformers' AttentionInterface.
 
-A few families (GPT-Neo, Falcon, XGLM, OpenAI GPT, Bloom, MPT) compute attention inline in their attention module, so
+A few families (GPT-Neo, Falcon, Bloom, MPT, OpenAI GPT, the Bart-style decoders of XGLM,
+TrOCR and MVP, the BERT-style decoders of RemBERT, MegatronBERT and BigBird) compute
+attention inline in their attention module, so
 there is no interface call for kvpage to answer. For those, a *port* takes the place of
 each attention module in its parent, on the loaded instance (no class is patched), and
 computes what the original computes with the original's own weights, submodules and
@@ -89,13 +91,15 @@ class FalconAttentionPort(_Port):
         return inner.dense(out), None
 
 
-class XGLMAttentionPort(_Port):
-    """XGLM's self-attention: the query scaled before the product (so kvpage scales by 1)."""
+class ScaledQueryAttentionPort(_Port):
+    """Bart-style self-attention (XGLM, TrOCR, MVP): the query scaled before the product
+    (so kvpage scales by 1). Cross-attention and MVP's prompts are not ported."""
 
-    def forward(self, hidden_states: torch.Tensor, key_value_states=None, attention_mask=None, **kwargs):
+    def forward(self, hidden_states: torch.Tensor, key_value_states=None, attention_mask=None, attn_prompt=None,
+                **kwargs):
         inner = self.inner
-        if key_value_states is not None:
-            raise ValueError("XGLM cross-attention is not ported")  # port_refusal refuses it before any step
+        if key_value_states is not None or attn_prompt is not None:
+            raise ValueError("cross-attention and attention prompts are not ported")  # refused before any step
         batch, length, _ = hidden_states.shape
 
         def heads(x: torch.Tensor) -> torch.Tensor:
@@ -165,6 +169,23 @@ def _bloom_slopes(inner: nn.Module, num_heads: int) -> torch.Tensor:
     return (bias[:, 0, 1] - bias[:, 0, 0]).float()
 
 
+class BertSelfAttentionPort(_Port):
+    """BERT-style self-attention of a decoder (``query``/``key``/``value`` projections,
+    scaled by ``1/sqrt(head size)``); the caller's output block follows as before."""
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask=None, encoder_hidden_states=None, **kwargs):
+        inner = self.inner
+        if encoder_hidden_states is not None:
+            raise ValueError("cross-attention is not ported")  # such configs are refused before any step
+        size = inner.attention_head_size
+
+        def heads(x: torch.Tensor) -> torch.Tensor:
+            return x.view(*hidden_states.shape[:-1], -1, size).transpose(1, 2)
+
+        query, key, value = (heads(proj(hidden_states)) for proj in (inner.query, inner.key, inner.value))
+        return self._attend(query, key, value, scaling=size ** -0.5), None
+
+
 def _gpt_neo_sites(model: nn.Module) -> list:
     return [(block.attn, "attention", block.attn.attention.layer_id) for block in model.transformer.h]
 
@@ -173,8 +194,17 @@ def _falcon_sites(model: nn.Module) -> list:
     return [(block, "self_attention", block.self_attention.layer_idx) for block in model.transformer.h]
 
 
-def _xglm_sites(model: nn.Module) -> list:
-    return [(layer, "self_attn", layer.self_attn.layer_idx) for layer in model.model.layers]
+def _decoder_self_attention_sites(model: nn.Module) -> list:
+    inner = model.model
+    layers = inner.layers if hasattr(inner, "layers") else inner.decoder.layers
+    return [(layer, "self_attn", layer.self_attn.layer_idx) for layer in layers]
+
+
+def _bert_sites(model: nn.Module) -> list:
+    """Each layer's ``attention.self`` (a decoder without cross-attention has no other)."""
+    encoder = next(module for name, module in model.named_children() if name != "cls")
+    layers = encoder.encoder.layer
+    return [(layer.attention, "self", index) for index, layer in enumerate(layers)]
 
 
 def _openai_gpt_sites(model: nn.Module) -> list:
@@ -193,14 +223,20 @@ def _mpt_sites(model: nn.Module) -> list:
 PORTS: dict[str, tuple[type, Callable[[nn.Module], list]]] = {
     "gpt_neo": (GPTNeoAttentionPort, _gpt_neo_sites),
     "falcon": (FalconAttentionPort, _falcon_sites),
-    "xglm": (XGLMAttentionPort, _xglm_sites),
+    "xglm": (ScaledQueryAttentionPort, _decoder_self_attention_sites),
+    "trocr": (ScaledQueryAttentionPort, _decoder_self_attention_sites),
+    "mvp": (ScaledQueryAttentionPort, _decoder_self_attention_sites),
+    "rembert": (BertSelfAttentionPort, _bert_sites),
+    "megatron-bert": (BertSelfAttentionPort, _bert_sites),
+    "big_bird": (BertSelfAttentionPort, _bert_sites),
     "openai-gpt": (OpenAIGPTAttentionPort, _openai_gpt_sites),
     "bloom": (BloomAttentionPort, _bloom_sites),
     "mpt": (MptAttentionPort, _mpt_sites),
 }
 #: The causal-LM classes the ports are written against (a family's other heads differ).
 _PORTED_CLASSES = {"GPTNeoForCausalLM", "FalconForCausalLM", "XGLMForCausalLM", "OpenAIGPTLMHeadModel",
-                   "BloomForCausalLM", "MptForCausalLM"}
+                   "BloomForCausalLM", "MptForCausalLM", "TrOCRForCausalLM", "MvpForCausalLM", "RemBertForCausalLM",
+                   "MegatronBertForCausalLM", "BigBirdForCausalLM"}
 
 
 def has_port(model: nn.Module) -> bool:
@@ -212,8 +248,12 @@ def port_refusal(model: nn.Module) -> Optional[str]:
     config = model.config
     if config.model_type == "bloom" and config.pretraining_tp > 1 and config.slow_but_exact:
         return "Bloom with slow_but_exact tensor-parallel slices: kvpage runs the output projection whole"
-    if config.model_type == "xglm" and getattr(config, "add_cross_attention", False):
-        return "XGLM with cross-attention: kvpage serves decoder-only self-attention"
+    if getattr(config, "add_cross_attention", False):
+        return "cross-attention layers: kvpage serves decoder-only self-attention"
+    if config.model_type == "mvp" and getattr(config, "use_prompt", False):
+        return "MVP with attention prompts: kvpage's attention has no prompt keys"
+    if config.model_type == "big_bird" and config.attention_type != "original_full":
+        return "BigBird's block-sparse attention: kvpage serves dense attention"
     return None
 
 

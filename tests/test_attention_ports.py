@@ -1,4 +1,4 @@
-"""Families with inline attention (GPT-Neo, Falcon, XGLM, OpenAI GPT, Bloom, MPT) run through ports.
+"""Families with inline attention run through attention ports (``adapters/attention_ports.py``).
 
 Each tiny model comes from the census's generic config shrinker and runs the census's two
 modes against HF ``generate`` (chunked prefill with prefix hits and preemption on a tiny
@@ -25,14 +25,21 @@ FAMILIES = {
     "openai-gpt": (tf.OpenAIGPTConfig, tf.OpenAIGPTLMHeadModel),
     "bloom": (tf.BloomConfig, tf.BloomForCausalLM),
     "mpt": (tf.MptConfig, tf.MptForCausalLM),
+    "trocr": (tf.TrOCRConfig, tf.TrOCRForCausalLM),
+    "mvp": (tf.MvpConfig, tf.MvpForCausalLM),
+    "rembert": (tf.RemBertConfig, tf.RemBertForCausalLM),
+    "megatron-bert": (tf.MegatronBertConfig, tf.MegatronBertForCausalLM),
+    "big_bird": (tf.BigBirdConfig, tf.BigBirdForCausalLM),
 }
+#: Settings a family's port needs that its defaults lack (BigBird's default is block-sparse).
+NEEDS = {"big_bird": {"attention_type": "original_full"}}
 
 
 def _model(family: str, **overrides):
     config_class, model_class = FAMILIES[family]
     torch.manual_seed(0)
     config = tiny_config(config_class)
-    for name, value in overrides.items():
+    for name, value in {**NEEDS.get(family, {}), **overrides}.items():
         setattr(config, name, value)
     return model_class._from_config(config, dtype=torch.float32).eval()
 
@@ -63,8 +70,13 @@ def test_ports_are_swapped_in_and_out(family):
     assert [type(m) for m in model.modules()] == before
 
 
-def test_variants_a_port_does_not_serve_are_refused():
-    model = _model("bloom", pretraining_tp=2, slow_but_exact=True)
-    with pytest.raises(UnsupportedModelError, match="slow_but_exact"):
+@pytest.mark.parametrize("family, overrides, reason", [
+    ("bloom", {"pretraining_tp": 2, "slow_but_exact": True}, "slow_but_exact"),
+    ("big_bird", {"attention_type": "block_sparse"}, "block-sparse"),
+    ("mvp", {"use_prompt": True}, "prompts"),
+])
+def test_variants_a_port_does_not_serve_are_refused(family, overrides, reason):
+    model = _model(family, **overrides)
+    with pytest.raises(UnsupportedModelError, match=reason):
         LLM(model, block_size=4, num_kv_blocks=32, max_model_len=32)
     assert not any(type(m).__name__.endswith("AttentionPort") for m in model.modules())
