@@ -2,13 +2,14 @@
 
 A few families (GPT-Neo, Falcon, Bloom, MPT, OpenAI GPT, the Bart-style decoders of XGLM,
 TrOCR and MVP, the BERT-style decoders of RemBERT, MegatronBERT and BigBird) compute
-attention inline in their attention module, so
-there is no interface call for kvpage to answer. For those, a *port* takes the place of
-each attention module in its parent, on the loaded instance (no class is patched), and
-computes what the original computes with the original's own weights, submodules and
-helpers (its head splits, the modeling file's rotary function), except the attention
-itself, which goes to ``kvpage_attention_forward``: paged attention during a kvpage step,
-SDPA otherwise. ``install_ports(model)`` swaps them in and returns the undo.
+attention inline in their attention module, so there is no interface call for kvpage to
+answer. For those, a *port* takes the place of each attention module in its parent, on the
+loaded instance (no class is patched), and computes what the original computes with the
+original's own weights, submodules and helpers (its head splits, the modeling file's rotary
+function), except the attention itself, which goes to ``kvpage_attention_forward``.
+``install_ports(model)`` swaps them in and returns the undo; the runner installs them only
+while it owns the model, whose forwards then all run inside a kvpage step (a call outside
+one would get plain causal SDPA, without windows or ALiBi).
 
 ALiBi families (Bloom, MPT, Falcon's ALiBi variant) build a position-bias tensor over the
 forward's rows, which in a kvpage step are many sequences. Their ports ignore it and carry
@@ -246,15 +247,16 @@ def has_port(model: nn.Module) -> bool:
 def port_refusal(model: nn.Module) -> Optional[str]:
     """Why the family's port cannot serve this model's variant, or None."""
     config = model.config
+    why = None
     if config.model_type == "bloom" and config.pretraining_tp > 1 and config.slow_but_exact:
-        return "Bloom with slow_but_exact tensor-parallel slices: kvpage runs the output projection whole"
-    if getattr(config, "add_cross_attention", False):
-        return "cross-attention layers: kvpage serves decoder-only self-attention"
-    if config.model_type == "mvp" and getattr(config, "use_prompt", False):
-        return "MVP with attention prompts: kvpage's attention has no prompt keys"
-    if config.model_type == "big_bird" and config.attention_type != "original_full":
-        return "BigBird's block-sparse attention: kvpage serves dense attention"
-    return None
+        why = "Bloom's slow_but_exact tensor-parallel slices (kvpage runs the output projection whole)"
+    elif getattr(config, "add_cross_attention", False):
+        why = "cross-attention layers (kvpage serves decoder-only self-attention)"
+    elif config.model_type == "mvp" and getattr(config, "use_prompt", False):
+        why = "MVP's attention prompts (kvpage's attention has no prompt keys)"
+    elif config.model_type == "big_bird" and config.attention_type != "original_full":
+        why = "BigBird's block-sparse attention (kvpage serves dense attention)"
+    return None if why is None else f"its attention port does not serve this variant: {why}"
 
 
 def install_ports(model: nn.Module) -> Callable[[], None]:

@@ -174,3 +174,45 @@ def test_step_metadata_carries_slots_and_selects_parts():
     assert part.state_slots.tolist() == [requests[1].state_slot, requests[3].state_slot]
     assert part.block_tables.tolist() == meta.block_tables[[1, 3]].tolist()
     assert part.slot_mapping.tolist() == meta.slot_mapping[rows].tolist() and len(part.state_copies) == 0
+
+
+# ---------------------------------------------------------------------- served live
+
+
+def test_server_streams_a_hybrid_model_exactly(tmp_path):
+    """``kvpage serve`` on a saved Jamba (Mamba layers beside attention): concurrent streamed
+    completions equal HF's greedy continuations, token for token."""
+    import asyncio
+    import json
+
+    import httpx
+
+    from server_process import running_server
+    from tiny_models import char_tokenizer
+
+    model, tokenizer = tiny_model("jamba"), char_tokenizer()
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    prompts = ["hello there", "state slots", "a", "recurrent layers keep state"]
+    expected = [tokenizer.decode(hf_greedy(model, tokenizer(p)["input_ids"], MAX_NEW), skip_special_tokens=True)
+                for p in prompts]
+
+    async def complete(client: httpx.AsyncClient, prompt: str) -> str:
+        body = {"model": str(tmp_path), "prompt": prompt, "max_tokens": MAX_NEW, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        text = ""
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            async for line in response.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    text += json.loads(line[6:])["choices"][0]["text"]
+        return text
+
+    async def run_all(base: str) -> list:
+        async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+            return await asyncio.gather(*(complete(client, p) for p in prompts))
+
+    with running_server(str(tmp_path), "--block-size", "4", "--num-kv-blocks", "64", "--max-model-len", "64") as base:
+        assert asyncio.run(run_all(base)) == expected
+        metrics = httpx.get(base + "/metrics", timeout=10).text
+        assert "kvpage" in metrics or "vllm" in metrics

@@ -30,6 +30,7 @@ REFUSAL_KINDS = (
     ("attention calls for", "layers that never call the attention interface"),
     ("bypasses transformers' attention interface", "layers that never call the attention interface"),
     ("across something other than the sequence", "attention across layers or memory, not the sequence"),
+    ("attention port does not serve", "a variant its family's attention port does not serve"),
     ("mask or bias", "a mask or bias of the model's own making"),
     ("position_ids", "positions counted by the model, not taken from position_ids"),
 )
