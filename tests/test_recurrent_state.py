@@ -216,3 +216,23 @@ def test_server_streams_a_hybrid_model_exactly(tmp_path):
         assert asyncio.run(run_all(base)) == expected
         metrics = httpx.get(base + "/metrics", timeout=10).text
         assert "kvpage" in metrics or "vllm" in metrics
+
+
+@pytest.mark.parametrize("family, layers", [("bamba", {"attn_layer_indices": [1]}),
+                                            ("granitemoehybrid", {"layer_types": ["mamba", "attention"]})])
+def test_hybrids_the_census_skips_are_exact_with_an_attention_layer(family, layers):
+    """Bamba's and GraniteMoeHybrid's default configs have Mamba layers only, on which HF's
+    own ``generate`` fails (the census skips them); with one attention layer both run
+    exactly in the census's two modes."""
+    import transformers as tf
+
+    from kvpage.census.compare import census_prompts, compare_with_hf
+    from kvpage.census.tiny_config import tiny_overrides
+
+    config_class, model_class = {"bamba": (tf.BambaConfig, tf.BambaForCausalLM),
+                                 "granitemoehybrid": (tf.GraniteMoeHybridConfig, tf.GraniteMoeHybridForCausalLM)}[family]
+    torch.manual_seed(0)
+    model = model_class._from_config(config_class(**{**tiny_overrides(config_class), **layers}),
+                                     dtype=torch.float32).eval()
+    results = compare_with_hf(model, census_prompts(model.get_input_embeddings().weight.shape[0]), 8, 48)
+    assert {mode: r.status for mode, r in results.items()} == {"stress": "exact", "plain": "exact"}
