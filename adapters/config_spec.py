@@ -59,8 +59,10 @@ def kv_spec_from_config(config: Any, block_size: int, dtype: str) -> KVCacheSpec
     if getattr(config, "num_kv_shared_layers", 0):
         raise ValueError("models that share KV across layers are planned from a probe only; load the model")
     try:
-        layout = layer_kv(config)
         windows = layer_windows(config)
+        if not windows:  # recurrent layers only (Mamba): no KV
+            return KVCacheSpec((), block_size, dtype)
+        layout = layer_kv(config)
     except Exception as exc:  # noqa: BLE001 - per-layer configs raise their own types (RuntimeError, ...)
         raise ValueError(f"cannot read one KV layout from this config ({type(exc).__name__}: {exc}); "
                          "per-layer shapes are read from a probe of the loaded model only") from None
