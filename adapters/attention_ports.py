@@ -1,8 +1,8 @@
 """kvpage attention for families whose HF attention bypasses transformers' AttentionInterface.
 
-A few families (GPT-Neo, Falcon, Bloom, MPT, OpenAI GPT, the Bart-style decoders of XGLM,
-TrOCR and MVP, the BERT-style decoders of RemBERT, MegatronBERT and BigBird) compute
-attention inline in their attention module, so there is no interface call for kvpage to
+A few families (GPT-Neo, GPT-NeoX-Japanese, Falcon, Bloom, MPT, OpenAI GPT, the Bart-style
+decoders of XGLM, TrOCR and MVP, the BERT-style decoders of RemBERT, MegatronBERT and
+BigBird) compute attention inline in their attention module, so there is no interface call for kvpage to
 answer. For those, a *port* takes the place of each attention module in its parent, on the
 loaded instance (no class is patched), and computes what the original computes with the
 original's own weights, submodules and helpers (its head splits, the modeling file's rotary
@@ -62,6 +62,27 @@ class GPTNeoAttentionPort(_Port):
         window = self.config.window_size if inner.attention_type == "local" else None
         out = self._attend(query, key, value, scaling=1.0, sliding_window=window)
         return inner.resid_dropout(inner.out_proj(out)), None
+
+
+class GPTNeoXJapaneseAttentionPort(_Port):
+    """GPT-NeoX-Japanese's attention: fused per-head QKV, partial rotary, scaled by
+    ``1/sqrt(head_size)``; like the original it hands back its output bias for the layer
+    to add."""
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None, layer_past=None,
+                use_cache: bool = False, output_attentions: bool = False, position_embeddings=None, **kwargs):
+        inner = self.inner
+        size, rot = inner.head_size, inner.rotary_ndims
+        qkv = inner.query_key_value(hidden_states).view(*hidden_states.shape[:-1], inner.num_attention_heads,
+                                                        3 * size)
+        query, key, value = (qkv[..., i * size:(i + 1) * size].permute(0, 2, 1, 3) for i in range(3))
+        cos, sin = position_embeddings
+        apply_rotary = sys.modules[type(inner).__module__].apply_rotary_pos_emb
+        query_rot, key_rot = apply_rotary(query[..., :rot], key[..., :rot], cos, sin)
+        query = torch.cat((query_rot, query[..., rot:]), dim=-1)
+        key = torch.cat((key_rot, key[..., rot:]), dim=-1)
+        out = self._attend(query, key, value, scaling=1.0 / inner.norm_factor)
+        return inner.dense(out), None, inner.dense_bias
 
 
 class FalconAttentionPort(_Port):
@@ -191,6 +212,10 @@ def _gpt_neo_sites(model: nn.Module) -> list:
     return [(block.attn, "attention", block.attn.attention.layer_id) for block in model.transformer.h]
 
 
+def _gpt_neox_japanese_sites(model: nn.Module) -> list:
+    return [(layer, "attention", layer.attention.layer_idx) for layer in model.gpt_neox_japanese.layers]
+
+
 def _falcon_sites(model: nn.Module) -> list:
     return [(block, "self_attention", block.self_attention.layer_idx) for block in model.transformer.h]
 
@@ -223,6 +248,7 @@ def _mpt_sites(model: nn.Module) -> list:
 #: model_type -> (port class, where its attention modules sit: [(parent, attribute, layer)]).
 PORTS: dict[str, tuple[type, Callable[[nn.Module], list]]] = {
     "gpt_neo": (GPTNeoAttentionPort, _gpt_neo_sites),
+    "gpt_neox_japanese": (GPTNeoXJapaneseAttentionPort, _gpt_neox_japanese_sites),
     "falcon": (FalconAttentionPort, _falcon_sites),
     "xglm": (ScaledQueryAttentionPort, _decoder_self_attention_sites),
     "trocr": (ScaledQueryAttentionPort, _decoder_self_attention_sites),
@@ -235,7 +261,7 @@ PORTS: dict[str, tuple[type, Callable[[nn.Module], list]]] = {
     "mpt": (MptAttentionPort, _mpt_sites),
 }
 #: The causal-LM classes the ports are written against (a family's other heads differ).
-_PORTED_CLASSES = {"GPTNeoForCausalLM", "FalconForCausalLM", "XGLMForCausalLM", "OpenAIGPTLMHeadModel",
+_PORTED_CLASSES = {"GPTNeoForCausalLM", "GPTNeoXJapaneseForCausalLM", "FalconForCausalLM", "XGLMForCausalLM", "OpenAIGPTLMHeadModel",
                    "BloomForCausalLM", "MptForCausalLM", "TrOCRForCausalLM", "MvpForCausalLM", "RemBertForCausalLM",
                    "MegatronBertForCausalLM", "BigBirdForCausalLM"}
 

@@ -20,6 +20,7 @@ from kvpage.census.tiny_config import tiny_config  # noqa: E402
 
 FAMILIES = {
     "gpt_neo": (tf.GPTNeoConfig, tf.GPTNeoForCausalLM),
+    "gpt_neox_japanese": (tf.GPTNeoXJapaneseConfig, tf.GPTNeoXJapaneseForCausalLM),
     "falcon": (tf.FalconConfig, tf.FalconForCausalLM),
     "xglm": (tf.XGLMConfig, tf.XGLMForCausalLM),
     "openai-gpt": (tf.OpenAIGPTConfig, tf.OpenAIGPTLMHeadModel),

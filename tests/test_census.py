@@ -19,7 +19,7 @@ pytest.importorskip("transformers")
 from kvpage.census import runner  # noqa: E402
 from kvpage.census.report import exact_share, summary_line, to_markdown  # noqa: E402
 
-SUBSET = "llama,deepseek_v3,mamba,bart,bloom,gpt_neox_japanese,rwkv,cohere_compass_text"
+SUBSET = "llama,deepseek_v3,mamba,bart,bloom,xlnet,rwkv,cohere_compass_text"
 
 
 def _kvpage(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -50,8 +50,8 @@ def test_census_classifies_the_subset(census):
     assert families["rwkv"]["status"] == "refused" and "outside transformers' Cache" in families["rwkv"]["reason"]
     assert families["bart"]["status"] == "exact"  # positions relayed to its positional embedding
     assert families["bloom"]["status"] == "exact"  # an attention port, with ALiBi in kvpage's attention
-    japanese = families["gpt_neox_japanese"]
-    assert japanese["status"] == "refused" and "AttentionInterface" in japanese["reason"]
+    xlnet = families["xlnet"]
+    assert xlnet["status"] == "refused" and "AttentionInterface" in xlnet["reason"]
     assert families["cohere_compass_text"]["status"] == "skipped"  # HF cannot build its default config
     assert "HF cannot build" in families["cohere_compass_text"]["reason"]
     assert data["summary"] == {"exact": 5, "refused": 2, "mismatch": 0, "skipped": 1}
@@ -64,7 +64,7 @@ def test_coverage_page_lists_every_family_with_its_reason(census, tmp_path):
     assert "**Summary: exact 5, refused 2, mismatch 0, skipped 1 (of 8 families).**" in page
     assert "| mamba | MambaForCausalLM |" in page and "| llama | LlamaForCausalLM |" in page
     assert "| recurrent state kept outside transformers' Cache (own cache class or buffers) | 1 |" in page  # rwkv
-    assert "| attention outside transformers' AttentionInterface | 1 |" in page  # gpt_neox_japanese
+    assert "| attention outside transformers' AttentionInterface | 1 |" in page  # xlnet
     assert exact_share(data) == 1.0
     source = tmp_path / "c.json"
     source.write_text(json.dumps(data))

@@ -27,7 +27,7 @@ CASES = {
     # a learned relative-position bias handed to attention
     "inkling_text": (tf.InklingTextConfig, tf.InklingForCausalLM, "mask or bias of its own making"),
     # attention outside the interface, with no port (attention_ports)
-    "gpt_neox_japanese": (tf.GPTNeoXJapaneseConfig, tf.GPTNeoXJapaneseForCausalLM, "AttentionInterface"),
+    "xlnet": (tf.XLNetConfig, tf.XLNetLMHeadModel, "AttentionInterface"),
 }
 
 

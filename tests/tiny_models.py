@@ -85,7 +85,7 @@ def _configs() -> dict:
                                             max_position_embeddings=256, init_std=0.15, pad_token_id=0,
                                             eos_token_id=1),
         # Not supported: attention bypasses the interface, or there is no attention at all.
-        "gpt_neox_japanese": lambda: _census_tiny(tf.GPTNeoXJapaneseConfig),
+        "xlnet": lambda: _census_tiny(tf.XLNetConfig),
         "stablelm": lambda: tf.StableLmConfig(**llama_like),
         "nemotron": lambda: tf.NemotronConfig(**{**llama_like, "hidden_act": "relu2"}, partial_rotary_factor=0.5),
         # Recurrent state (state-space mixers, gated delta nets) in state slots beside the paged KV.
@@ -107,7 +107,7 @@ EXTENDED_FAMILIES = ["gpt_oss", "gpt_bigcode", "gptj", "codegen", "starcoder2", 
                      "granite", "smollm3", "stablelm", "nemotron", "deepseek_v3", "minicpm3", "gemma3n_text",
                      "diffllama", "bart", "pegasus"]
 RECURRENT_FAMILIES = ["mamba", "jamba", "qwen3_next"]
-UNSUPPORTED_FAMILIES = ["gpt_neox_japanese"]
+UNSUPPORTED_FAMILIES = ["xlnet"]
 
 
 def tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32):
