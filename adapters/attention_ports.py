@@ -1,8 +1,8 @@
 """kvpage attention for families whose HF attention bypasses transformers' AttentionInterface.
 
 A few families (GPT-Neo, GPT-NeoX-Japanese, Falcon, Bloom, MPT, OpenAI GPT, the Bart-style
-decoders of XGLM, TrOCR and MVP, the BERT-style decoders of RemBERT, MegatronBERT and
-BigBird) compute attention inline in their attention module, so there is no interface call for kvpage to
+decoders of XGLM, TrOCR and MVP, the BERT-style decoders of RemBERT, MegatronBERT, BigBird
+and RoFormer) compute attention inline in their attention module, so there is no interface call for kvpage to
 answer. For those, a *port* takes the place of each attention module in its parent, on the
 loaded instance (no class is patched), and computes what the original computes with the
 original's own weights, submodules and helpers (its head splits, the modeling file's rotary
@@ -204,8 +204,27 @@ class BertSelfAttentionPort(_Port):
         def heads(x: torch.Tensor) -> torch.Tensor:
             return x.view(*hidden_states.shape[:-1], -1, size).transpose(1, 2)
 
-        query, key, value = (heads(proj(hidden_states)) for proj in (inner.query, inner.key, inner.value))
+        query, key, value = self._positioned(*(heads(proj(hidden_states))
+                                               for proj in (inner.query, inner.key, inner.value)), **kwargs)
         return self._attend(query, key, value, scaling=size ** -0.5), None
+
+    def _positioned(self, query, key, value, **kwargs):
+        return query, key, value
+
+
+class RoFormerSelfAttentionPort(BertSelfAttentionPort):
+    """RoFormer's: the BERT-style attention with its sinusoidal rotary on Q and K (and V
+    when ``rotary_value``), applied by the original's own helper. The table comes from the
+    model's positional module, which kvpage hands the step's ``position_ids``
+    (``position_relay``)."""
+
+    def _positioned(self, query, key, value, sinusoidal_pos=None, **kwargs):
+        if sinusoidal_pos is None:
+            return query, key, value
+        rotate = self.inner.apply_rotary_position_embeddings
+        if self.inner.rotary_value:
+            return rotate(sinusoidal_pos, query, key, value)
+        return (*rotate(sinusoidal_pos, query, key), value)
 
 
 def _gpt_neo_sites(model: nn.Module) -> list:
@@ -256,6 +275,7 @@ PORTS: dict[str, tuple[type, Callable[[nn.Module], list]]] = {
     "rembert": (BertSelfAttentionPort, _bert_sites),
     "megatron-bert": (BertSelfAttentionPort, _bert_sites),
     "big_bird": (BertSelfAttentionPort, _bert_sites),
+    "roformer": (RoFormerSelfAttentionPort, _bert_sites),
     "openai-gpt": (OpenAIGPTAttentionPort, _openai_gpt_sites),
     "bloom": (BloomAttentionPort, _bloom_sites),
     "mpt": (MptAttentionPort, _mpt_sites),
@@ -263,7 +283,7 @@ PORTS: dict[str, tuple[type, Callable[[nn.Module], list]]] = {
 #: The causal-LM classes the ports are written against (a family's other heads differ).
 _PORTED_CLASSES = {"GPTNeoForCausalLM", "GPTNeoXJapaneseForCausalLM", "FalconForCausalLM", "XGLMForCausalLM", "OpenAIGPTLMHeadModel",
                    "BloomForCausalLM", "MptForCausalLM", "TrOCRForCausalLM", "MvpForCausalLM", "RemBertForCausalLM",
-                   "MegatronBertForCausalLM", "BigBirdForCausalLM"}
+                   "MegatronBertForCausalLM", "BigBirdForCausalLM", "RoFormerForCausalLM"}
 
 
 def has_port(model: nn.Module) -> bool:

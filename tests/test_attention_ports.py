@@ -31,6 +31,7 @@ FAMILIES = {
     "rembert": (tf.RemBertConfig, tf.RemBertForCausalLM),
     "megatron-bert": (tf.MegatronBertConfig, tf.MegatronBertForCausalLM),
     "big_bird": (tf.BigBirdConfig, tf.BigBirdForCausalLM),
+    "roformer": (tf.RoFormerConfig, tf.RoFormerForCausalLM),  # rotary from relayed positions
 }
 #: Settings a family's port needs that its defaults lack (BigBird's default is block-sparse).
 NEEDS = {"big_bird": {"attention_type": "original_full"}}
