@@ -236,3 +236,12 @@ def test_hybrids_the_census_skips_are_exact_with_an_attention_layer(family, laye
                                      dtype=torch.float32).eval()
     results = compare_with_hf(model, census_prompts(model.get_input_embeddings().weight.shape[0]), 8, 48)
     assert {mode: r.status for mode, r in results.items()} == {"stress": "exact", "plain": "exact"}
+
+
+def test_check_reports_the_state_beside_the_kv():
+    """``kvpage check``'s layout line names the recurrent state, per sequence, beside any KV."""
+    from kvpage.census.check import _kv_layout
+
+    assert _kv_layout(tiny_model("mamba")).startswith("none (no attention layers); recurrent state in 2 layers, ")
+    jamba = _kv_layout(tiny_model("jamba"))
+    assert jamba.startswith("1 x (K [2x16] + V [2x16]) = 256 bytes in float32; recurrent state in 2 layers, ")

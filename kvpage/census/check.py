@@ -127,12 +127,19 @@ def _kv_layout(model: Any) -> str:
     runner = HFModelRunner(model)
     try:
         spec = KVCacheSpec(tuple(runner.layer_specs), block_size=16, dtype="float32")
+        states = runner.state_layout
     finally:
         runner.restore()
+    state = ""
+    if states:  # recurrent layers: a fixed state per sequence in state slots, beside any KV
+        state = (f"; recurrent state in {len({e.layer for e in states})} layers, "
+                 f"{sum(e.nbytes for e in states)} bytes per sequence")
+    if not spec.layers:
+        return f"none (no attention layers){state}"
     groups = []
     for layout, layers in spec.layers_by_layout().items():
         groups.append(f"{len(layers)} x (K [{layout.k_heads}x{layout.k_head_dim}] + V [{layout.v_heads}x"
                       f"{layout.v_head_dim}])")
     shared = spec.num_layers - len(spec.owner_layers)
     extra = f", {shared} layers reuse another layer's KV" if shared else ""
-    return f"{' + '.join(groups)} = {spec.bytes_per_token} bytes in float32{extra}"
+    return f"{' + '.join(groups)} = {spec.bytes_per_token} bytes in float32{extra}{state}"
