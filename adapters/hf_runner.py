@@ -61,7 +61,7 @@ def check_supported(model: torch.nn.Module) -> list[StateEntry]:
                                         f"{type(exc).__name__}: {exc})") from exc
         if not layout:
             raise UnsupportedModelError(f"{name}: {recurrent_reason}")
-    if not type(model)._can_set_attn_implementation():
+    if not type(model)._can_set_attn_implementation() and not text_decoder_switchable(model):
         if not has_port(model):
             raise UnsupportedModelError(
                 f"{name}'s attention does not go through transformers' AttentionInterface, so kvpage cannot page "
@@ -70,6 +70,20 @@ def check_supported(model: torch.nn.Module) -> list[StateEntry]:
         if refusal is not None:
             raise UnsupportedModelError(f"{name}: {refusal}")
     return layout
+
+
+def text_decoder_switchable(model: torch.nn.Module) -> bool:
+    """Whether a composite model (text beside vision or audio towers) has a text decoder
+    whose attention goes through the interface, though another tower's does not (GOT-OCR2's
+    SAM vision encoder): kvpage then switches the text config alone. Text-only requests
+    never run the other towers."""
+    if "text_config" not in (getattr(model.config, "sub_configs", None) or {}):
+        return False
+    try:
+        decoder = model.get_decoder()
+    except Exception:  # noqa: BLE001 - models without a findable decoder are not switched this way
+        return False
+    return decoder is not None and decoder is not model and type(decoder)._can_set_attn_implementation()
 
 
 class HFModelRunner:
@@ -85,10 +99,17 @@ class HFModelRunner:
         self.device = next(model.parameters()).device
         self.original_attn_implementation = model.config._attn_implementation
         register_kvpage_attention()
-        # A family whose attention is inline gets ports (attention_ports) instead of the switch.
-        self._ported = not type(model)._can_set_attn_implementation()
+        # A family whose attention is inline gets ports (attention_ports) instead of the
+        # switch; a composite model whose text decoder alone follows the interface gets
+        # the switch for its text config only.
+        switchable = type(model)._can_set_attn_implementation()
+        self._text_only = not switchable and text_decoder_switchable(model)
+        self._ported = not switchable and not self._text_only
         self._undo_ports = install_ports(model) if self._ported else (lambda: None)
-        if not self._ported:
+        if self._text_only:
+            self.original_attn_implementation = {"text_config": model.config.text_config._attn_implementation}
+            model.set_attn_implementation({"text_config": ATTN_IMPLEMENTATION})
+        elif not self._ported:
             model.set_attn_implementation(ATTN_IMPLEMENTATION)
         self._undo_linears = use_onednn_linears(model) if onednn_linears else (lambda: None)
         self._undo_position_relay: Callable[[], None] = lambda: None

@@ -82,3 +82,19 @@ def test_variants_a_port_does_not_serve_are_refused(family, overrides, reason):
     with pytest.raises(UnsupportedModelError, match=reason):
         LLM(model, block_size=4, num_kv_blocks=32, max_model_len=32)
     assert not any(type(m).__name__.endswith("AttentionPort") for m in model.modules())
+
+
+def test_a_composite_model_gets_its_text_config_switched_alone():
+    """GOT-OCR2's SAM vision encoder computes attention inline, its Qwen2 text decoder goes
+    through the interface: kvpage switches the text config alone (text-only requests never
+    run the vision tower), exact in both census modes, and switches it back."""
+    from kvpage.adapters.hf_runner import text_decoder_switchable
+    from kvpage.census.family import _build_tiny_model
+
+    model, problem = _build_tiny_model("got_ocr2", tf.GotOcr2ForConditionalGeneration)
+    assert model is not None, problem
+    assert not type(model)._can_set_attn_implementation() and text_decoder_switchable(model)
+    before = model.config.text_config._attn_implementation
+    results = compare_with_hf(model, census_prompts(model.get_input_embeddings().weight.shape[0]), 8, 48)
+    assert {mode: r.status for mode, r in results.items()} == {"stress": "exact", "plain": "exact"}
+    assert model.config.text_config._attn_implementation == before
