@@ -20,8 +20,9 @@ does not serve.
 """
 from __future__ import annotations
 
+import operator
 import sys
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -165,11 +166,12 @@ class BloomAttentionPort(_Port):
 class MptAttentionPort(_Port):
     """MPT's attention: ``softmax_scale``, optional ``clip_qkv``, ALiBi when configured."""
 
-    def __init__(self, inner: nn.Module, layer_idx: int, config, model: nn.Module) -> None:
+    def __init__(self, inner: nn.Module, layer_idx: int, config) -> None:
         super().__init__(inner, layer_idx, config)
         if config.attn_config.alibi:
-            bias = model.transformer.build_mpt_alibi_tensor(inner.n_heads, 2, config.attn_config.alibi_bias_max)
-            self.alibi_slopes = (bias[:, 0, 1] - bias[:, 0, 0]).float()  # [heads, 1, 2]: slope per position
+            build = sys.modules[type(inner).__module__].build_mpt_alibi_tensor
+            bias = build(inner.n_heads, 2, config.attn_config.alibi_bias_max)  # [heads, 1, 2]
+            self.alibi_slopes = (bias[:, 0, 1] - bias[:, 0, 0]).float()
 
     def forward(self, hidden_states: torch.Tensor, position_bias=None, attention_mask=None, **kwargs):
         inner = self.inner
@@ -227,67 +229,41 @@ class RoFormerSelfAttentionPort(BertSelfAttentionPort):
         return (*rotate(sinusoidal_pos, query, key), value)
 
 
-def _gpt_neo_sites(model: nn.Module) -> list:
-    return [(block.attn, "attention", block.attn.attention.layer_id) for block in model.transformer.h]
+class _PortSpec(NamedTuple):
+    """Where a family's attention modules sit: ``layers`` (a dotted path from the causal-LM
+    class ``model_class``) holds the decoder layers, ``attention`` (dotted, from a layer) the
+    module the port replaces. Layer ``i`` of that list is layer ``i`` of the model."""
+
+    model_class: str
+    port: type
+    layers: str
+    attention: str
 
 
-def _gpt_neox_japanese_sites(model: nn.Module) -> list:
-    return [(layer, "attention", layer.attention.layer_idx) for layer in model.gpt_neox_japanese.layers]
-
-
-def _falcon_sites(model: nn.Module) -> list:
-    return [(block, "self_attention", block.self_attention.layer_idx) for block in model.transformer.h]
-
-
-def _decoder_self_attention_sites(model: nn.Module) -> list:
-    inner = model.model
-    layers = inner.layers if hasattr(inner, "layers") else inner.decoder.layers
-    return [(layer, "self_attn", layer.self_attn.layer_idx) for layer in layers]
-
-
-def _bert_sites(model: nn.Module) -> list:
-    """Each layer's ``attention.self`` (a decoder without cross-attention has no other)."""
-    encoder = next(module for name, module in model.named_children() if name != "cls")
-    layers = encoder.encoder.layer
-    return [(layer.attention, "self", index) for index, layer in enumerate(layers)]
-
-
-def _openai_gpt_sites(model: nn.Module) -> list:
-    return [(block, "attn", index) for index, block in enumerate(model.transformer.h)]
-
-
-def _bloom_sites(model: nn.Module) -> list:
-    return [(block, "self_attention", block.self_attention.layer_idx) for block in model.transformer.h]
-
-
-def _mpt_sites(model: nn.Module) -> list:
-    return [(block, "attn", block.attn.layer_idx) for block in model.transformer.blocks]
-
-
-#: model_type -> (port class, where its attention modules sit: [(parent, attribute, layer)]).
-PORTS: dict[str, tuple[type, Callable[[nn.Module], list]]] = {
-    "gpt_neo": (GPTNeoAttentionPort, _gpt_neo_sites),
-    "gpt_neox_japanese": (GPTNeoXJapaneseAttentionPort, _gpt_neox_japanese_sites),
-    "falcon": (FalconAttentionPort, _falcon_sites),
-    "xglm": (ScaledQueryAttentionPort, _decoder_self_attention_sites),
-    "trocr": (ScaledQueryAttentionPort, _decoder_self_attention_sites),
-    "mvp": (ScaledQueryAttentionPort, _decoder_self_attention_sites),
-    "rembert": (BertSelfAttentionPort, _bert_sites),
-    "megatron-bert": (BertSelfAttentionPort, _bert_sites),
-    "big_bird": (BertSelfAttentionPort, _bert_sites),
-    "roformer": (RoFormerSelfAttentionPort, _bert_sites),
-    "openai-gpt": (OpenAIGPTAttentionPort, _openai_gpt_sites),
-    "bloom": (BloomAttentionPort, _bloom_sites),
-    "mpt": (MptAttentionPort, _mpt_sites),
+#: model_type -> where its attention modules sit and the port that replaces them.
+PORTS: dict[str, _PortSpec] = {
+    "gpt_neo": _PortSpec("GPTNeoForCausalLM", GPTNeoAttentionPort, "transformer.h", "attn.attention"),
+    "gpt_neox_japanese": _PortSpec("GPTNeoXJapaneseForCausalLM", GPTNeoXJapaneseAttentionPort,
+                                   "gpt_neox_japanese.layers", "attention"),
+    "falcon": _PortSpec("FalconForCausalLM", FalconAttentionPort, "transformer.h", "self_attention"),
+    "xglm": _PortSpec("XGLMForCausalLM", ScaledQueryAttentionPort, "model.layers", "self_attn"),
+    "trocr": _PortSpec("TrOCRForCausalLM", ScaledQueryAttentionPort, "model.decoder.layers", "self_attn"),
+    "mvp": _PortSpec("MvpForCausalLM", ScaledQueryAttentionPort, "model.decoder.layers", "self_attn"),
+    "rembert": _PortSpec("RemBertForCausalLM", BertSelfAttentionPort, "rembert.encoder.layer", "attention.self"),
+    "megatron-bert": _PortSpec("MegatronBertForCausalLM", BertSelfAttentionPort, "bert.encoder.layer",
+                               "attention.self"),
+    "big_bird": _PortSpec("BigBirdForCausalLM", BertSelfAttentionPort, "bert.encoder.layer", "attention.self"),
+    "roformer": _PortSpec("RoFormerForCausalLM", RoFormerSelfAttentionPort, "roformer.encoder.layer",
+                          "attention.self"),
+    "openai-gpt": _PortSpec("OpenAIGPTLMHeadModel", OpenAIGPTAttentionPort, "transformer.h", "attn"),
+    "bloom": _PortSpec("BloomForCausalLM", BloomAttentionPort, "transformer.h", "self_attention"),
+    "mpt": _PortSpec("MptForCausalLM", MptAttentionPort, "transformer.blocks", "attn"),
 }
-#: The causal-LM classes the ports are written against (a family's other heads differ).
-_PORTED_CLASSES = {"GPTNeoForCausalLM", "GPTNeoXJapaneseForCausalLM", "FalconForCausalLM", "XGLMForCausalLM", "OpenAIGPTLMHeadModel",
-                   "BloomForCausalLM", "MptForCausalLM", "TrOCRForCausalLM", "MvpForCausalLM", "RemBertForCausalLM",
-                   "MegatronBertForCausalLM", "BigBirdForCausalLM", "RoFormerForCausalLM"}
 
 
 def has_port(model: nn.Module) -> bool:
-    return getattr(model.config, "model_type", None) in PORTS and type(model).__name__ in _PORTED_CLASSES
+    spec = PORTS.get(getattr(model.config, "model_type", None))
+    return spec is not None and type(model).__name__ == spec.model_class
 
 
 def port_refusal(model: nn.Module) -> Optional[str]:
@@ -308,12 +284,13 @@ def port_refusal(model: nn.Module) -> Optional[str]:
 def install_ports(model: nn.Module) -> Callable[[], None]:
     """Swap a port in for each attention module of ``model`` (``has_port`` must hold);
     returns the function that puts the originals back."""
-    port_class, sites_of = PORTS[model.config.model_type]
+    spec = PORTS[model.config.model_type]
+    parent_path, _, attribute = spec.attention.rpartition(".")
     swapped = []
-    for parent, attribute, layer in sites_of(model):
+    for layer, block in enumerate(operator.attrgetter(spec.layers)(model)):
+        parent = operator.attrgetter(parent_path)(block) if parent_path else block
         original = getattr(parent, attribute)
-        extra = (model,) if port_class is MptAttentionPort else ()
-        setattr(parent, attribute, port_class(original, int(layer), model.config, *extra))
+        setattr(parent, attribute, spec.port(original, layer, model.config))
         swapped.append((parent, attribute, original))
 
     def undo() -> None:

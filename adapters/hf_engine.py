@@ -218,9 +218,8 @@ def stateful_config(runner: HFModelRunner, config: EngineConfig) -> EngineConfig
     are prefix-cache tiers."""
     if not runner.state_layout:
         return config
-    layers = sorted({entry.layer for entry in runner.state_layout})
     log.info("recurrent state: %d layers keep conv/recurrent state, one slot per running sequence",
-             len(layers))
+             len({entry.layer for entry in runner.state_layout}))
     if config.uses_kv_tiers:
         raise ValueError("the KV tiers extend the prefix cache, which a model with recurrent layers cannot use "
                          "(its state is not rebuilt from cached KV); drop --kv-offloading-size/--kv-disk-cache")

@@ -154,12 +154,13 @@ class HFModelRunner:
         stateful = {entry.layer for entry in self.state_layout}
         # In a recurrent model a layer may be neither (an MLP-only layer), unless it has an
         # attention module that did not come through the interface.
-        bypassing = [layer for layer in sorted(set(range(self.num_layers)) - set(called) - stateful)
-                     if attention_modules_of_layer(self.model, layer)] if stateful else []
+        silent = sorted(set(range(self.num_layers)) - set(called) - stateful) if stateful else []
+        bypassing = {layer: modules for layer in silent if (modules := attention_modules_of_layer(self.model, layer))}
         if bypassing:
+            first = next(iter(bypassing.values()))[0]
             raise UnsupportedModelError(
-                f"{name}: layers {bypassing} have attention ({attention_modules_of_layer(self.model, bypassing[0])[0]}) "
-                "that bypasses transformers' attention interface")
+                f"{name}: layers {sorted(bypassing)} have attention ({first}) that bypasses transformers' attention "
+                "interface")
         if not stateful and len(sites) < self.num_layers:
             raise UnsupportedModelError(
                 f"{name}: {len(sites)} attention calls for {self.num_layers} layers (layers called: {called or 'none'}); "

@@ -20,6 +20,7 @@ from kvpage.attention.reference import gather_context
 from kvpage.attention.torch_cpu import paged_attention_torch
 from kvpage.kv_storage import KVCacheSpec, LayerKVSpec
 from test_attention_cpu import BS, SCALE, SCENARIOS, make_case
+from tiny_models import hf_greedy
 
 CHUNK = 12  # not a multiple of the block size: chunk edges fall inside blocks
 
@@ -106,14 +107,6 @@ def _llama4():
     return tf.Llama4ForCausalLM._from_config(config, dtype=torch.float32).eval()
 
 
-def _greedy(model, prompt, max_new):
-    with torch.inference_mode():
-        ids = torch.tensor([prompt])
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
-                             min_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
-
-
 @pytest.mark.parametrize("options", [
     dict(block_size=4, num_kv_blocks=64, max_num_batched_tokens=6),  # chunk edges inside prefill chunks
     dict(block_size=4, num_kv_blocks=14, max_num_batched_tokens=16),  # preemption and recomputation
@@ -125,7 +118,7 @@ def test_llama4_matches_hf_generate(options):
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (3, 9, 17, 30)]
-    expected = [_greedy(model, p, 10) for p in prompts]
+    expected = [hf_greedy(model, p, 10) for p in prompts]
     llm = LLM(model, max_model_len=48, **options)
     try:
         chunks = [layer.attention_chunk for layer in llm.engine.runner.layer_specs]

@@ -273,7 +273,7 @@ class Scheduler:
         counts = [n for _, n in plan.scheduled]
         copies = self.kv.take_pending_copies(requests)
         metadata = build_step_metadata(requests, counts, self.block_size, copies, self.kv.num_groups,
-                                       self.kv.take_state_copies() if self.state_slots is not None else ())
+                                       self.kv.take_state_copies())
         self.num_steps += 1
         transfers = self.offload.take_step_transfers() if self.offload is not None else None
         return SchedulerOutput(requests, counts, metadata, plan.preempted, plan.newly_cached[::-1],
