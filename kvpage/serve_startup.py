@@ -76,9 +76,14 @@ def engine_summary(llm: Any, config: EngineConfig) -> list[str]:
     size = f", {kv.nbytes / 2**20:.1f} MiB {kv.spec.dtype}" if kv is not None else ""
     rule = kv_sizing_rule(config.num_kv_blocks, config.kv_cache_memory, device.type)
     limit = llm.engine.scheduler.config.max_model_len
+    kernels = ""
+    if device.type == "cpu" and kv is not None and kv.spec.layers:
+        from .attention.cpu import cpu_kernels_summary
+
+        kernels = f" ({cpu_kernels_summary(kv.spec.dtype, [layer.k_head_dim for layer in kv.spec.layers])})"
     return [
         f"model {llm.model_path or type(llm.model).__name__}: dtype {dtype}, device {device}, "
-        f"threads {torch.get_num_threads()}, attention backend {backend}, max_model_len {limit}",
+        f"threads {torch.get_num_threads()}, attention backend {backend}{kernels}, max_model_len {limit}",
         f"KV cache: {stats['num_blocks']} blocks of {config.block_size} tokens "
         f"({stats['num_blocks'] * config.block_size} tokens{size}); sized by the {rule} rule",
     ]

@@ -3,6 +3,7 @@ stores against the numpy reference, the fused write-and-attend path against the 
 calls, the fallbacks, and the claim that they run on torch's OpenMP pool."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -17,7 +18,7 @@ from kvpage.attention.cpu import (  # noqa: E402
     paged_attention_cpu, prepare_cpu_attention_metadata, write_and_attend_cpu, write_kv_cpu)
 
 pytestmark = pytest.mark.skipif(native_cpu.library() is None,
-                                reason="native kernels unavailable here (no AVX-512F or no C++ compiler)")
+                                reason="native kernels unavailable here (no AVX-512F or AVX2, or no C++ compiler)")
 
 BS = 16
 TOL = {torch.float32: (3e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (2e-2, 1.6e-2)}
@@ -154,6 +155,35 @@ def test_disabled_or_unbuildable_means_none(monkeypatch, tmp_path, caplog):
     assert native_cpu.library() is not None
 
 
+AVX512_FLAGS = "flags : fpu avx avx2 fma f16c avx512f avx512bw"
+AVX2_FLAGS = "flags : fpu avx avx2 fma f16c"
+
+
+@pytest.mark.parametrize("flags,setting,want", [
+    (AVX512_FLAGS, "1", "avx512"), (AVX2_FLAGS, "1", "avx2"), (AVX512_FLAGS, "avx2", "avx2"),
+    (AVX2_FLAGS, "avx512", None), (AVX512_FLAGS, "0", None), ("flags : fpu avx avx2", "1", None),
+    ("", "1", None)])
+def test_variant_follows_the_cpu_and_the_setting(monkeypatch, flags, setting, want):
+    """The best variant whose instructions the CPU has; ``KVPAGE_NATIVE_KERNELS`` names one
+    (never one the CPU cannot run) or turns both off; AVX2 without FMA/F16C gets neither."""
+    monkeypatch.setattr(native_cpu, "_cpu_flags", lambda: flags)
+    monkeypatch.setenv("KVPAGE_NATIVE_KERNELS", setting)
+    assert native_cpu.variant() == want
+
+
+def test_avx2_variant_passes_the_same_cases_on_avx512_cpus():
+    """Where the AVX-512 variant serves, the AVX2 one (what AVX2-only CPUs run) still passes
+    this file's reference cases (a child process: the variant is chosen once per process)."""
+    if native_cpu.variant() != "avx512":
+        pytest.skip("the in-process cases already run the AVX2 variant here")
+    env = {**os.environ, "KVPAGE_NATIVE_KERNELS": "avx2"}
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                          "matches_reference or argmax or write_and_attend or outside_the_cache or fall_back"],
+                         env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:]
+    assert " passed" in out.stdout, out.stdout[-500:]
+
+
 def test_numba_paths_serve_when_the_library_is_missing(monkeypatch):
     """Without the native library the same calls run on numba and agree with the reference."""
     monkeypatch.setattr(native_cpu, "library", lambda: None)
@@ -190,8 +220,9 @@ print(before == loaded_openmp_runtimes(), len(before))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 1, 128), (4, 4, 80), (14, 2, 32)],
-                         ids=["gqa3-64", "mqa-128", "mha-80", "group7-32"])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 1, 128), (4, 4, 80), (14, 2, 32),
+                                                     (2, 1, 256)],
+                         ids=["gqa3-64", "mqa-128", "mha-80", "group7-32", "wide-256"])
 @pytest.mark.parametrize("option", ["plain", "window", "softcap", "sinks"])
 @pytest.mark.parametrize("block_size", [16, 8, 32])
 def test_prefill_matches_reference(dtype, heads, kv_heads, head_dim, option, block_size):
@@ -217,6 +248,42 @@ def test_prefill_matches_reference(dtype, heads, kv_heads, head_dim, option, blo
                                       0.125, **opts)
     atol, rtol = TOL[dtype]
     np.testing.assert_allclose(out[2:].float().numpy(), want[2:], atol=atol, rtol=rtol)
+
+
+def _cpu_flags() -> set:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(next((line for line in f if line.startswith("flags")), "").split())
+    except OSError:
+        return set()
+
+
+def test_bf16_prefill_takes_amx_where_the_cpu_has_it():
+    """bf16 prefill of head size 64/128/256 runs on the AMX tiles exactly when the CPU has
+    AMX-BF16 (Linux grants the tile state to any process that asks); other element types
+    and head sizes never do."""
+    lib = native_cpu.library()
+    has_amx = {"amx_bf16", "amx_tile", "avx512_bf16"} <= _cpu_flags()
+    for head_dim in (64, 128, 256):
+        assert native_cpu.prefill_uses_amx(lib, "bfloat16", head_dim) == has_amx
+    for dtype, head_dim in (("float32", 64), ("float16", 128), ("bfloat16", 80), ("bfloat16", 32)):
+        assert not native_cpu.prefill_uses_amx(lib, dtype, head_dim)
+
+
+def test_bf16_prefill_without_amx_matches_reference():
+    """``KVPAGE_AMX=0`` puts bf16 prefill back on the AVX-512 path (a process-wide choice,
+    hence a child process), and that path passes the same reference cases as the AMX one."""
+    if not native_cpu.prefill_uses_amx(native_cpu.library(), "bfloat16", 64):
+        pytest.skip("no AMX here: the in-process cases already run the vector path")
+    check = "from kvpage.attention import native_cpu as n; assert not n.prefill_uses_amx(n.library(), 'bfloat16', 64)"
+    env = {**os.environ, "KVPAGE_AMX": "0"}
+    out = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                          "test_prefill_matches_reference and bfloat16 and (64 or 128 or 256)"],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:]
+    assert " passed" in out.stdout and "skipped" not in out.stdout.splitlines()[-1], out.stdout[-500:]
 
 
 @pytest.mark.parametrize("cols", [1, 15, 16, 17, 49152])

@@ -90,7 +90,8 @@ def test_the_seed_command_line_serves_the_openai_client(model_dir):
 # ---------------------------------------------------------------------- start-up log and stats line
 def test_startup_log_names_model_device_threads_and_kv_rule(server):
     log = server_log(server)
-    assert re.search(r"model .*: dtype float32, device cpu, threads \d+, attention backend \w+", log)
+    assert re.search(r"model .*: dtype float32, device cpu, threads \d+, attention backend \w+ "
+                     r"\((native (AVX-512|AVX2) kernels|numba kernels \(native ones unavailable\))", log)
     assert f"KV cache: {NUM_BLOCKS} blocks of 4 tokens" in log and "sized by the explicit count rule" in log
     assert "warming up" in log and "warm-up done in" in log
     assert "does not apply" not in log  # --gpu-memory-utilization was not given

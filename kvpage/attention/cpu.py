@@ -351,6 +351,20 @@ def _dispatch_torch(q, key_cache, value_cache, md, scaling, sliding_window, soft
     return result
 
 
+def cpu_kernels_summary(dtype_name: str, head_dims) -> str:
+    """Which kernels CPU attention of this KV dtype and these head sizes runs on, in words
+    (the start-up report): native (which variant) or numba, and whether prefill uses AMX."""
+    from . import native_cpu
+
+    lib = native_cpu.library()
+    if lib is None:
+        return "numba kernels (native ones unavailable)"
+    amx = dtype_name in native_cpu.ELEM_TYPES and any(
+        native_cpu.prefill_uses_amx(lib, dtype_name, int(d)) for d in set(head_dims))
+    isa = {"avx512": "AVX-512", "avx2": "AVX2"}[native_cpu.variant()]
+    return f"native {isa} kernels" + (", bf16 prefill on AMX tiles" if amx else "")
+
+
 def _native_decodable(q, key_cache) -> bool:
     """Whether the native decode kernel takes these tensors (caches already match in layout)."""
     from . import native_cpu

@@ -20,12 +20,15 @@
 
 #include <immintrin.h>
 
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <limits>
-#include <vector>
+#include <optional>
+
+#include "native_cpu_common.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define KVPAGE_AMX 1
+#endif
 
 #if !defined(__AVX512F__)
 #error "kvpage native kernels need AVX-512F (the loader falls back to numba without it)"
@@ -33,9 +36,6 @@
 
 namespace {
 
-constexpr int kF32 = 0, kF16 = 1, kBF16 = 2;  // cache and q element types (MODE_* in numba_math)
-constexpr int64_t kPartition = 64;  // tokens per softmax partition: its K/V rows stay in L1
-constexpr int kMaxChunks = 16;                 // head_dim <= 256, in 16-float chunks
 
 // ---- 16-lane loads and stores of one element type ------------------------------------
 
@@ -88,29 +88,6 @@ inline __m512 exp_nonpositive(__m512 x) {
 }
 
 inline float exp_nonpositive_scalar(float x) { return _mm512_cvtss_f32(exp_nonpositive(_mm512_set1_ps(x))); }
-
-// One layer's paged attention call: what the decode and prefill kernels both read.
-struct PagedLayer {
-  const void* q;
-  int64_t q_stride_token, q_stride_head;  // elements; the head_dim stride is 1
-  const void* key_cache;
-  const void* value_cache;
-  int64_t block_size, num_kv_heads, head_dim, num_heads;
-  const int32_t* block_tables;
-  int64_t table_stride;
-  const int32_t* seq_lens;
-  float scale;
-  int64_t window;      // 0: none
-  float softcap;       // 0: none
-  const float* sinks;  // nullptr: none; else [num_heads]
-  void* out;           // [rows, num_heads, head_dim], q's element type, contiguous
-};
-
-struct DecodeArgs : PagedLayer {
-  int64_t num_seqs, num_splits;
-  float* part_acc;    // [num_seqs, num_heads, num_splits, head_dim] when num_splits > 1
-  float* part_stats;  // [num_seqs, num_heads, num_splits, 2]: (max, denominator)
-};
 
 // The scaled query rows of sequence i as fp32, head-major.
 template <int T>
@@ -369,32 +346,6 @@ void normalize_row(const float* acc, float m, float den, const float* sinks, int
     store16<T>(out, out_offset + d, _mm512_mul_ps(_mm512_loadu_ps(acc + d), scale));
 }
 
-// Element offsets in the cache of the token rows pb .. min(pb + kPartition, end); returns
-// how many.
-inline int64_t row_offsets(const DecodeArgs& a, const int32_t* table, int64_t row, int64_t pb, int64_t end,
-                           int64_t* offs) {
-  const int64_t n = std::max<int64_t>(0, std::min(pb + kPartition, end) - pb);
-  for (int64_t j = 0; j < n; ++j) {
-    const int64_t t = pb + j;
-    offs[j] = (static_cast<int64_t>(table[t / a.block_size]) * a.block_size + t % a.block_size) * row;
-  }
-  return n;
-}
-
-// Ask for the cache lines of n token rows (row_bytes each, all heads; offsets in elements
-// of elem_bytes) ahead of their use. Into L2, not L1: a core has far more L2 misses in
-// flight than L1 fill buffers, and with prefetches into L1 the kernel read scattered blocks
-// at 8-10 GB/s where into L2 it reached 12-15 GB/s (34 sequences x 250 tokens, bf16, 30
-// layers' caches in rotation, back to back).
-inline void prefetch_rows(const void* cache, const int64_t* offs, int64_t n, int64_t elem_bytes, int64_t row_bytes) {
-  const char* base = static_cast<const char*>(cache);
-  for (int64_t j = 0; j < n; ++j) {
-    const char* p = base + offs[j] * elem_bytes;
-    for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
-    _mm_prefetch(p + row_bytes - 1, _MM_HINT_T1);
-  }
-}
-
 struct Scratch {
   std::vector<float> qf, acc, scores, stats;
   std::vector<uint16_t> qraw;  // the bf16 query rows, for the bf16 dot path
@@ -505,7 +456,8 @@ void decode_typed(const DecodeArgs& a, int num_threads) {
 
 // ---- Prefill and chunked prefill: queries at the end of their sequence's context -------
 //
-// Work item = (sequence, KV head, tile of kQueryTile query rows); its rows are the tile's
+// Work item = (sequence, KV head, tile of kQueryTile query rows, kAmxQueryTile on the AMX
+// path); its rows are the tile's
 // tokens times the KV head's `group` query heads, all attending the same K/V rows. The
 // item walks its visible KV blocks once (causal: none past the tile's last token; sliding
 // window: none before the first token's window): per block, each row's 16 scores come from
@@ -513,15 +465,8 @@ void decode_typed(const DecodeArgs& a, int num_threads) {
 // widened to fp32 once per block, not once per row).
 
 constexpr int64_t kQueryTile = 16;
+constexpr int64_t kAmxQueryTile = 64;  // query rows per item on the AMX path
 constexpr int64_t kKeyChunk = 64;  // keys per softmax step, any block size
-
-struct PrefillArgs : PagedLayer {
-  const int32_t* query_start_loc;
-};
-
-struct PrefillItem {
-  int64_t seq, head, row0, rows;
-};
 
 template <int T, int D16>
 void prefill_item(const PrefillArgs& a, const PrefillItem& it, std::vector<float>& scratch,
@@ -653,6 +598,148 @@ inline __m512 word_fma(__m512 acc, __m512i x, __m512i y) {
   return _mm512_fmadd_ps(_mm512_castsi512_ps(x), _mm512_castsi512_ps(y), acc);
 }
 
+// ---- AMX tiles for the bf16 matmul-shaped prefill ----------------------------------
+//
+// On CPUs with AMX-BF16 (Sapphire Rapids and later) QK^T and P.V of a 16-row block run on
+// the tile unit: one tdpbf16ps is a 16x16x32 bf16 multiply-add into fp32, 16 times the work
+// of a vdpbf16ps. The chunk layouts above are already what it reads: the query rows and P
+// rows are its A operand (16 rows of 32 bf16), K^T and the paired V its B operand (16
+// pair-rows of 16 words). Products and sums are fp32 with bf16 inputs flushed like
+// vdpbf16ps; only the order of the additions differs from the vector path.
+
+#if defined(KVPAGE_AMX)
+constexpr bool kHaveAmx = true;
+
+// Linux grants a process AMX tile state on request (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XFEATURE_XTILEDATA); a tile instruction without it faults. KVPAGE_AMX=0 turns it off.
+bool amx_usable() {
+  static const bool usable = [] {
+    const char* env = std::getenv("KVPAGE_AMX");
+    if (env != nullptr && env[0] == '0') return false;
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return usable;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t bytes_per_row[16];
+  uint8_t rows[16];
+};
+
+// Tiles 0-7 as 16 rows of 64 bytes for this thread, for the scope of the object; the
+// thread's previous configuration (another library's, or none) is put back after.
+class TileScope {
+ public:
+  TileScope() {
+    _tile_storeconfig(&saved_);
+    TileConfig mine{};
+    mine.palette = 1;
+    for (int t = 0; t < 8; ++t) {
+      mine.bytes_per_row[t] = 64;
+      mine.rows[t] = 16;
+    }
+    _tile_loadconfig(&mine);
+  }
+  ~TileScope() {
+    if (saved_.palette != 0) {
+      _tile_loadconfig(&saved_);
+    } else {
+      _tile_release();
+    }
+  }
+  TileScope(const TileScope&) = delete;
+  TileScope& operator=(const TileScope&) = delete;
+
+ private:
+  TileConfig saved_;
+};
+
+// s[16][kKeyChunk] = the 16 query rows at qw (kQWords words each) times K^T (kt, laid out
+// [kQWords][kKeyChunk] words).
+template <int64_t kQWords>
+inline void amx_scores(const uint32_t* qw, const uint32_t* kt, float* s) {
+  static_assert(kKeyChunk == 64 && kQWords % 16 == 0, "four 16-key tiles, 32-dim A tiles");
+  constexpr int64_t kt_stride = kKeyChunk * 4;
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t c = 0; c < kQWords; c += 16) {
+    const uint32_t* k = kt + c * kKeyChunk;
+    _tile_loadd(4, qw + c, kQWords * 4);
+    _tile_loadd(5, k, kt_stride);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_loadd(6, k + 16, kt_stride);
+    _tile_dpbf16ps(1, 4, 6);
+    _tile_loadd(7, k + 32, kt_stride);
+    _tile_dpbf16ps(2, 4, 7);
+    _tile_loadd(5, k + 48, kt_stride);
+    _tile_dpbf16ps(3, 4, 5);
+  }
+  _tile_stored(0, s, kKeyChunk * 4);
+  _tile_stored(1, s + 16, kKeyChunk * 4);
+  _tile_stored(2, s + 32, kKeyChunk * 4);
+  _tile_stored(3, s + 48, kKeyChunk * 4);
+}
+
+// acc[16][kD] += the 16 P rows at pw (kKeySteps words each: bf16 pairs of keys) times the
+// paired V rows (vw, [kKeySteps][kD] words), over the first `halves` 32-key halves.
+template <int64_t kD, int64_t kKeySteps>
+inline void amx_values(const uint32_t* pw, const uint32_t* vw, float* acc, int64_t halves) {
+  static_assert(kD % 64 == 0, "four 16-dim accumulator tiles per pass");
+  for (int64_t d0 = 0; d0 < kD; d0 += 64) {
+    float* o = acc + d0;
+    _tile_loadd(0, o, kD * 4);
+    _tile_loadd(1, o + 16, kD * 4);
+    _tile_loadd(2, o + 32, kD * 4);
+    _tile_loadd(3, o + 48, kD * 4);
+    for (int64_t h = 0; h < halves; ++h) {
+      const uint32_t* v = vw + 16 * h * kD + d0;
+      _tile_loadd(4, pw + 16 * h, kKeySteps * 4);
+      _tile_loadd(5, v, kD * 4);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_loadd(6, v + 16, kD * 4);
+      _tile_dpbf16ps(1, 4, 6);
+      _tile_loadd(7, v + 32, kD * 4);
+      _tile_dpbf16ps(2, 4, 7);
+      _tile_loadd(5, v + 48, kD * 4);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+    _tile_stored(0, o, kD * 4);
+    _tile_stored(1, o + 16, kD * 4);
+    _tile_stored(2, o + 32, kD * 4);
+    _tile_stored(3, o + 48, kD * 4);
+  }
+}
+#else
+constexpr bool kHaveAmx = false;
+inline bool amx_usable() { return false; }
+#endif
+
+// Whether prefill_item_mm<T, D16> takes the AMX path on this CPU.
+template <int T, int D16>
+bool prefill_uses_amx() {
+  return T == kBF16 && kHaveAmx && kHaveBf16Dot && D16 > 0 && D16 % 4 == 0 && amx_usable();
+}
+
+// The same, from the call's element type and head size.
+inline bool prefill_on_amx(int elem_type, int64_t head_dim) {
+  switch (head_dim) {
+    case 64: return elem_type == kBF16 && prefill_uses_amx<kBF16, 4>();
+    case 128: return elem_type == kBF16 && prefill_uses_amx<kBF16, 8>();
+    case 256: return elem_type == kBF16 && prefill_uses_amx<kBF16, 16>();
+    default: return false;
+  }
+}
+
+// The tile unit makes scores cheap, so its items take more rows each: fewer passes over
+// each K/V chunk (its layout is the cost) for a little more masked work on the diagonal.
+int64_t prefill_query_tile(int elem_type, int64_t head_dim) {
+  return prefill_on_amx(elem_type, head_dim) ? kAmxQueryTile : kQueryTile;
+}
+
 template <int T, int D16>
 void prefill_item_mm(const PrefillArgs& a, const PrefillItem& it, std::vector<uint32_t>& words,
                      std::vector<float>& floats) {
@@ -665,7 +752,10 @@ void prefill_item_mm(const PrefillArgs& a, const PrefillItem& it, std::vector<ui
   const int64_t q0 = a.query_start_loc[it.seq], q_len = a.query_start_loc[it.seq + 1] - q0;
   const int64_t seq_len = a.seq_lens[it.seq], first_pos = seq_len - q_len;
   const int64_t rows = it.rows * group;
-  const int64_t padded = (rows + kRowBlock - 1) / kRowBlock * kRowBlock;
+  constexpr bool kAmxShaped = kPaired && kD % 64 == 0;
+  const bool amx = kAmxShaped && prefill_uses_amx<T, D16>();
+  const int64_t row_block = amx ? 16 : kRowBlock;  // AMX tiles take 16 rows
+  const int64_t padded = (rows + row_block - 1) / row_block * row_block;
   // words: queries [padded][kQWords] | K^T [kQWords][kKeyChunk] | V [kKeySteps][kD] | P [padded][kKeySteps]
   words.assign(padded * kQWords + kQWords * kKeyChunk + kKeySteps * kD + padded * kKeySteps, 0u);
   uint32_t* qw = words.data();
@@ -737,6 +827,83 @@ void prefill_item_mm(const PrefillArgs& a, const PrefillItem& it, std::vector<ui
         for (int64_t d = 0; d < kD; ++d) ktf[d * kKeyChunk + j] = krow[d];
       }
     }
+    // The softmax step of row m over this chunk's scores sc (kKeyChunk / 16 vectors, not yet
+    // scaled): running max and denominator, the rescale alpha, and the row's P words.
+    auto softmax_step = [&](int64_t m, __m512* sc) {
+      float* st = stats + 3 * m;
+      st[2] = 1.0f;  // alpha: no rescale unless the max moves
+      uint32_t* prow = pw + m * kKeySteps;
+      const int64_t pos = lo_pos + std::min(m, rows - 1) / group;
+      const int64_t last = std::min<int64_t>(n - 1, pos - base);
+      const int64_t first = a.window > 0 ? std::max<int64_t>(0, pos - a.window + 1 - base) : 0;
+      if (m >= rows || last < 0 || first > last) {
+        std::memset(prow, 0, kKeySteps * sizeof(uint32_t));
+        return;
+      }
+      __m512 mx = neg_inf;
+      __mmask16 visible[kKeyChunk / 16];
+      for (int64_t v = 0; v < kKeyChunk / 16; ++v) {
+        __m512 x = _mm512_mul_ps(sc[v], scale);
+        if (a.softcap > 0) {
+          alignas(64) float tmp[16];
+          _mm512_store_ps(tmp, x);
+          for (int j = 0; j < 16; ++j) tmp[j] = a.softcap * std::tanh(tmp[j] / a.softcap);
+          x = _mm512_load_ps(tmp);
+        }
+        const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(16 * v)));
+        visible[v] = _mm512_cmp_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(first)), _MM_CMPINT_NLT) &
+                     _mm512_cmp_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(last)), _MM_CMPINT_LE);
+        sc[v] = _mm512_mask_mov_ps(neg_inf, visible[v], x);
+        mx = _mm512_max_ps(mx, sc[v]);
+      }
+      const float m_old = st[0], m_new = std::max(m_old, _mm512_reduce_max_ps(mx));
+      const __m512 mv = _mm512_set1_ps(m_new);
+      __m512 total = _mm512_setzero_ps();
+      for (int64_t v = 0; v < kKeyChunk / 16; v += 2) {
+        const __m512 p0 = _mm512_maskz_mov_ps(visible[v], exp_nonpositive(_mm512_sub_ps(sc[v], mv)));
+        const __m512 p1 = _mm512_maskz_mov_ps(visible[v + 1], exp_nonpositive(_mm512_sub_ps(sc[v + 1], mv)));
+        total = _mm512_add_ps(total, _mm512_add_ps(p0, p1));
+#if defined(__AVX512BF16__)
+        if constexpr (kPaired) {
+          _mm512_storeu_si512(prow + 8 * v, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));  // keys 16v .. 16v+31
+          continue;
+        }
+#endif
+        _mm512_storeu_ps(reinterpret_cast<float*>(prow) + 16 * v, p0);
+        _mm512_storeu_ps(reinterpret_cast<float*>(prow) + 16 * v + 16, p1);
+      }
+      st[2] = m_old == m_new ? 1.0f : exp_nonpositive_scalar(m_old - m_new);
+      st[0] = m_new;
+      st[1] = st[1] * st[2] + _mm512_reduce_add_ps(total);
+    };
+#if defined(KVPAGE_AMX)
+    if constexpr (kAmxShaped) {
+      if (amx) {
+        // Scores of 16 rows at a time on the tile unit, then each row's softmax step; then
+        // acc = acc * alpha + P.V, 16 rows at a time.
+        alignas(64) float block_scores[16 * kKeyChunk];
+        for (int64_t m0 = 0; m0 < padded; m0 += 16) {
+          amx_scores<kQWords>(qw + m0 * kQWords, kt, block_scores);
+          for (int64_t r = 0; r < 16; ++r) {
+            __m512 sc[kKeyChunk / 16];
+            for (int64_t v = 0; v < kKeyChunk / 16; ++v) sc[v] = _mm512_load_ps(block_scores + r * kKeyChunk + 16 * v);
+            softmax_step(m0 + r, sc);
+          }
+        }
+        for (int64_t m0 = 0; m0 < padded; m0 += 16) {
+          for (int64_t m = m0; m < m0 + 16; ++m) {
+            const float alpha = stats[3 * m + 2];
+            if (alpha == 1.0f) continue;
+            const __m512 al = _mm512_set1_ps(alpha);
+            for (int64_t c = 0; c < D16; ++c)
+              _mm512_storeu_ps(acc + m * kD + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(acc + m * kD + 16 * c), al));
+          }
+          amx_values<kD, kKeySteps>(pw + m0 * kKeySteps, vw, acc + m0 * kD, (n + 31) / 32);
+        }
+        continue;
+      }
+    }
+#endif
     // Scores, softmax step and probabilities (as P words), four rows at a time.
     for (int64_t m0 = 0; m0 < padded; m0 += kRowBlock) {
       __m512 sc[kRowBlock][kKeyChunk / 16];
@@ -750,54 +917,7 @@ void prefill_item_mm(const PrefillArgs& a, const PrefillItem& it, std::vector<ui
           for (int64_t v = 0; v < kKeyChunk / 16; ++v) sc[r][v] = word_fma<kPaired>(sc[r][v], qb, kv[v]);
         }
       }
-      for (int64_t r = 0; r < kRowBlock; ++r) {
-        const int64_t m = m0 + r;
-        float* st = stats + 3 * m;
-        st[2] = 1.0f;  // alpha: no rescale unless the max moves
-        uint32_t* prow = pw + m * kKeySteps;
-        const int64_t pos = lo_pos + std::min(m, rows - 1) / group;
-        const int64_t last = std::min<int64_t>(n - 1, pos - base);
-        const int64_t first = a.window > 0 ? std::max<int64_t>(0, pos - a.window + 1 - base) : 0;
-        if (m >= rows || last < 0 || first > last) {
-          std::memset(prow, 0, kKeySteps * sizeof(uint32_t));
-          continue;
-        }
-        __m512 mx = neg_inf;
-        __mmask16 visible[kKeyChunk / 16];
-        for (int64_t v = 0; v < kKeyChunk / 16; ++v) {
-          __m512 x = _mm512_mul_ps(sc[r][v], scale);
-          if (a.softcap > 0) {
-            alignas(64) float tmp[16];
-            _mm512_store_ps(tmp, x);
-            for (int j = 0; j < 16; ++j) tmp[j] = a.softcap * std::tanh(tmp[j] / a.softcap);
-            x = _mm512_load_ps(tmp);
-          }
-          const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(16 * v)));
-          visible[v] = _mm512_cmp_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(first)), _MM_CMPINT_NLT) &
-                       _mm512_cmp_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(last)), _MM_CMPINT_LE);
-          sc[r][v] = _mm512_mask_mov_ps(neg_inf, visible[v], x);
-          mx = _mm512_max_ps(mx, sc[r][v]);
-        }
-        const float m_old = st[0], m_new = std::max(m_old, _mm512_reduce_max_ps(mx));
-        const __m512 mv = _mm512_set1_ps(m_new);
-        __m512 total = _mm512_setzero_ps();
-        for (int64_t v = 0; v < kKeyChunk / 16; v += 2) {
-          const __m512 p0 = _mm512_maskz_mov_ps(visible[v], exp_nonpositive(_mm512_sub_ps(sc[r][v], mv)));
-          const __m512 p1 = _mm512_maskz_mov_ps(visible[v + 1], exp_nonpositive(_mm512_sub_ps(sc[r][v + 1], mv)));
-          total = _mm512_add_ps(total, _mm512_add_ps(p0, p1));
-#if defined(__AVX512BF16__)
-          if constexpr (kPaired) {
-            _mm512_storeu_si512(prow + 8 * v, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));  // keys 16v .. 16v+31
-            continue;
-          }
-#endif
-          _mm512_storeu_ps(reinterpret_cast<float*>(prow) + 16 * v, p0);
-          _mm512_storeu_ps(reinterpret_cast<float*>(prow) + 16 * v + 16, p1);
-        }
-        st[2] = m_old == m_new ? 1.0f : exp_nonpositive_scalar(m_old - m_new);
-        st[0] = m_new;
-        st[1] = st[1] * st[2] + _mm512_reduce_add_ps(total);
-      }
+      for (int64_t r = 0; r < kRowBlock; ++r) softmax_step(m0 + r, sc[r]);
     }
     // acc = acc * alpha + P.V, kPvRows rows per V load.
     const int64_t steps = kPaired ? (n + 1) / 2 : n;
@@ -840,6 +960,10 @@ void prefill_all(const PrefillArgs& a, const std::vector<PrefillItem>& items, in
 #pragma omp parallel num_threads(num_threads)
   {
     PrefillScratch w;
+#if defined(KVPAGE_AMX)
+    std::optional<TileScope> tiles;
+    if (kMatmul && prefill_uses_amx<T, D16>()) tiles.emplace();
+#endif
 #pragma omp for schedule(dynamic, 1)
     for (size_t k = 0; k < items.size(); ++k) {
       if constexpr (kMatmul) {
@@ -905,120 +1029,4 @@ void row_argmax(const float* x, int64_t cols, float* out_max, int64_t* out_idx) 
 
 }  // namespace
 
-extern "C" {
-
-// Version of this file's C interface; native_cpu.py refuses a library that differs.
-int kvpage_native_abi() { return 5; }
-
-// Paged decode attention (see native_cpu.decode_attention). Returns 0, or a negative code
-// for shapes this kernel does not take (the caller checks them first).
-int kvpage_decode_attention(int elem_type, const void* q, int64_t q_stride_token, int64_t q_stride_head,
-                            const void* key_cache, const void* value_cache, int64_t block_size,
-                            int64_t num_kv_heads, int64_t head_dim, int64_t num_heads, const int32_t* block_tables,
-                            int64_t table_stride, const int32_t* seq_lens, int64_t num_seqs, float scale,
-                            int64_t window, float softcap, const float* sinks, void* out, int64_t num_splits,
-                            int num_threads) {
-  if (head_dim % 16 || head_dim > 16 * kMaxChunks || num_kv_heads <= 0 || num_heads % num_kv_heads || num_splits < 1)
-    return -1;
-  std::vector<float> part_acc, part_stats;
-  if (num_splits > 1) {
-    part_acc.resize(num_seqs * num_heads * num_splits * head_dim);
-    part_stats.resize(num_seqs * num_heads * num_splits * 2);
-  }
-  DecodeArgs a{{q, q_stride_token, q_stride_head, key_cache, value_cache, block_size, num_kv_heads, head_dim,
-                num_heads, block_tables, table_stride, seq_lens, scale, window, softcap, sinks, out},
-               num_seqs, num_splits, part_acc.data(), part_stats.data()};
-  switch (elem_type) {
-    case kF32: decode_typed<kF32>(a, num_threads); break;
-    case kF16: decode_typed<kF16>(a, num_threads); break;
-    case kBF16: decode_typed<kBF16>(a, num_threads); break;
-    default: return -2;
-  }
-  return 0;
-}
-
-// cache[slots[t]] = rows[t] for t < n: rows [n, H_kv, D] of elem_bytes elements at `rows`
-// (token and head strides in elements, D contiguous), cache rows [num_slots, H_kv, D].
-// Every slot is checked before anything is written: returns 0, or 1 + the index of the
-// first slot outside the cache.
-int64_t kvpage_store_rows(void* cache, int64_t num_slots, int64_t num_kv_heads, int64_t head_dim, int64_t elem_bytes,
-                          const void* rows, int64_t stride_token, int64_t stride_head, const int64_t* slots,
-                          int64_t n) {
-  for (int64_t t = 0; t < n; ++t)
-    if (slots[t] < 0 || slots[t] >= num_slots) return t + 1;
-  const int64_t head_bytes = head_dim * elem_bytes, row_bytes = num_kv_heads * head_bytes;
-  for (int64_t t = 0; t < n; ++t) {
-    char* dst = static_cast<char*>(cache) + slots[t] * row_bytes;
-    for (int64_t h = 0; h < num_kv_heads; ++h)
-      std::memcpy(dst + h * head_bytes,
-                  static_cast<const char*>(rows) + (t * stride_token + h * stride_head) * elem_bytes, head_bytes);
-  }
-  return 0;
-}
-
-// Scatter n new K/V rows ([n, H_kv, D] at k/v, token and head strides in elements, D
-// contiguous) into the caches' slots, then decode attention; the write is skipped when k is
-// null (a layer reading another layer's KV). Returns 0, a negative code as above, or 1 + the
-// index of the first slot outside the cache (nothing is then written or attended).
-int64_t kvpage_write_decode(int elem_type, const void* q, int64_t q_stride_token, int64_t q_stride_head,
-                            const void* k, int64_t k_stride_token, int64_t k_stride_head, const void* v,
-                            int64_t v_stride_token, int64_t v_stride_head, const int64_t* slots, int64_t num_new,
-                            void* key_cache, void* value_cache, int64_t num_blocks, int64_t block_size,
-                            int64_t num_kv_heads, int64_t head_dim, int64_t num_heads, const int32_t* block_tables,
-                            int64_t table_stride, const int32_t* seq_lens, int64_t num_seqs, float scale,
-                            int64_t window, float softcap, const float* sinks, void* out, int64_t num_splits,
-                            int num_threads) {
-  if (k != nullptr) {
-    const int64_t elem = elem_type == kF32 ? 4 : 2, num_slots = num_blocks * block_size;
-    const int64_t bad = kvpage_store_rows(key_cache, num_slots, num_kv_heads, head_dim, elem, k, k_stride_token,
-                                          k_stride_head, slots, num_new);
-    if (bad) return bad;  // V goes to the same slots, so it cannot fail once K did not
-    kvpage_store_rows(value_cache, num_slots, num_kv_heads, head_dim, elem, v, v_stride_token, v_stride_head, slots,
-                      num_new);
-  }
-  return kvpage_decode_attention(elem_type, q, q_stride_token, q_stride_head, key_cache, value_cache, block_size,
-                                 num_kv_heads, head_dim, num_heads, block_tables, table_stride, seq_lens, num_seqs,
-                                 scale, window, softcap, sinks, out, num_splits, num_threads);
-}
-
-// Attention of the query rows of sequences first_seq .. num_seqs - 1 (each the last q_len
-// positions of its context, causal, optional sliding window / softcap / sinks) into the
-// same rows of out; rows of earlier sequences are left alone. Returns 0 or a negative code.
-int kvpage_prefill_attention(int elem_type, const void* q, int64_t q_stride_token, int64_t q_stride_head,
-                             const void* key_cache, const void* value_cache, int64_t block_size,
-                             int64_t num_kv_heads, int64_t head_dim, int64_t num_heads, const int32_t* block_tables,
-                             int64_t table_stride, const int32_t* query_start_loc, const int32_t* seq_lens,
-                             int64_t first_seq, int64_t num_seqs, float scale, int64_t window, float softcap,
-                             const float* sinks, void* out, int num_threads) {
-  if (head_dim % 16 || head_dim > 16 * kMaxChunks || num_kv_heads <= 0 || num_heads % num_kv_heads || block_size <= 0)
-    return -1;
-  std::vector<PrefillItem> items;
-  for (int64_t i = first_seq; i < num_seqs; ++i) {
-    const int64_t q_len = query_start_loc[i + 1] - query_start_loc[i];
-    if (q_len > seq_lens[i]) return -3;
-    for (int64_t end = q_len; end > 0; end -= kQueryTile)  // the last rows (most keys) first
-      for (int64_t h = 0; h < num_kv_heads; ++h)
-        items.push_back({i, h, std::max<int64_t>(end - kQueryTile, 0), std::min(kQueryTile, end)});
-  }
-  PrefillArgs a{{q, q_stride_token, q_stride_head, key_cache, value_cache, block_size, num_kv_heads, head_dim,
-                 num_heads, block_tables, table_stride, seq_lens, scale, window, softcap, sinks, out},
-                query_start_loc};
-  switch (elem_type) {
-    case kF32: prefill_typed<kF32>(a, items, num_threads); break;
-    case kF16: prefill_typed<kF16>(a, items, num_threads); break;
-    case kBF16: prefill_typed<kBF16>(a, items, num_threads); break;
-    default: return -2;
-  }
-  return 0;
-}
-
-// For each of `rows` float32 rows (`cols` values each, `row_stride` elements apart): its
-// maximum and the index of its first maximal value, as torch.max(dim=-1) gives them (NaN
-// propagates, its index is the first NaN's). cols < 2^31.
-void kvpage_row_argmax(const float* x, int64_t rows, int64_t cols, int64_t row_stride, float* out_max,
-                       int64_t* out_idx, int num_threads) {
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows > 1)
-  for (int64_t r = 0; r < rows; ++r) row_argmax(x + r * row_stride, cols, out_max + r, out_idx + r);
-}
-
-}  // extern "C"
+#include "native_cpu_api.h"

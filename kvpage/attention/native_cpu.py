@@ -1,20 +1,24 @@
-"""Native CPU kernels (``native_cpu.cpp``): paged attention, KV row stores, logits argmax.
+"""Native CPU kernels: paged attention, KV row stores, logits argmax.
 
-Built on first use with the system C++ compiler (``g++ -O3 -march=native -fopenmp``, the
-toolchain ``torch.compile`` already needs on CPU) into
-``$KVPAGE_CACHE/native/<hash>/`` (``~/.cache/kvpage``), keyed by the source, the compiler
-and the CPU's flags, so later processes load it in milliseconds; loaded with ctypes.
-Torch-free: arguments are raw addresses and sizes, so numpy arrays and torch tensors both
-work (:mod:`kvpage.attention.cpu` passes either).
+Two variants of one C interface: ``native_cpu.cpp`` for CPUs with AVX-512F and
+``native_cpu_avx2.cpp`` for CPUs with AVX2, FMA and F16C but no AVX-512 (both include
+``native_cpu_common.h`` and ``native_cpu_api.h``). The one the CPU runs is built on first
+use with the system C++ compiler (``g++ -O3 -march=native -fopenmp``, the toolchain
+``torch.compile`` already needs on CPU) into ``$KVPAGE_CACHE/native/<hash>/``
+(``~/.cache/kvpage``), keyed by the sources, the compiler and the CPU's flags, so later
+processes load it in milliseconds; loaded with ctypes. Torch-free: arguments are raw
+addresses and sizes, so numpy arrays and torch tensors both work
+(:mod:`kvpage.attention.cpu` passes either).
 
-Why it exists (measured, see the source's header): the library links GNU OpenMP by
+Why it exists (measured, see the sources' headers): the library links GNU OpenMP by
 soname and so shares torch's thread pool, where numba's parallel loops ran on a second
 copy of libgomp whose pool fought torch's for the cores at every layer; and one ctypes
 call replaces a numba dispatch of about twenty arguments.
 
-:func:`library` returns None, and the callers keep the numba kernels, when the CPU lacks
-AVX-512F, no compiler is found, the build fails (logged once), or
-``KVPAGE_NATIVE_KERNELS=0``.
+:func:`library` returns None, and the callers keep the numba kernels, when the CPU has
+neither AVX-512F nor AVX2+FMA+F16C, no compiler is found, the build fails (logged once),
+or ``KVPAGE_NATIVE_KERNELS=0``. ``KVPAGE_NATIVE_KERNELS=avx2`` takes the AVX2 variant on
+an AVX-512 CPU too (to test or compare it).
 """
 from __future__ import annotations
 
@@ -33,8 +37,12 @@ import numpy as np
 
 log = logging.getLogger("kvpage")
 
-SOURCE = Path(__file__).with_name("native_cpu.cpp")
-ABI_VERSION = 5
+_HERE = Path(__file__).parent
+#: The kernel source of each variant, best first, and the CPU flags it needs.
+VARIANTS = {"avx512": (_HERE / "native_cpu.cpp", ("avx512f",)),
+            "avx2": (_HERE / "native_cpu_avx2.cpp", ("avx2", "fma", "f16c"))}
+_HEADERS = (_HERE / "native_cpu_common.h", _HERE / "native_cpu_api.h")
+ABI_VERSION = 6
 #: Element types the kernels take, by numpy/torch dtype name (the C ``elem_type`` codes).
 ELEM_TYPES = {"float32": 0, "float16": 1, "bfloat16": 2}
 #: Largest head size the decode kernel takes (16 chunks of 16 floats), and its multiple.
@@ -58,19 +66,20 @@ def _compiler() -> Optional[str]:
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
 
 
-def _build(compiler: str) -> Path:
-    """Compile the source (once per source/compiler/CPU) and return the library's path."""
+def _build(compiler: str, source: Path) -> Path:
+    """Compile ``source`` (once per sources/compiler/CPU) and return the library's path."""
     from kvpage.model_registry import cache_root
 
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, " ".join(_FLAGS), _cpu_flags()]).encode())
+    texts = [path.read_text() for path in (source, *_HEADERS)]
+    key = hashlib.sha256("\0".join([*texts, compiler, version, " ".join(_FLAGS), _cpu_flags()]).encode())
     target = cache_root() / "native" / key.hexdigest()[:16] / "kvpage_native.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        proc = subprocess.run([compiler, *_FLAGS, str(SOURCE), "-o", str(built)], capture_output=True, text=True,
+        proc = subprocess.run([compiler, *_FLAGS, str(source), "-o", str(built)], capture_output=True, text=True,
                               timeout=600)
         if proc.returncode != 0:
             raise RuntimeError(proc.stderr.strip()[-2000:] or f"{compiler} exited with {proc.returncode}")
@@ -79,21 +88,31 @@ def _build(compiler: str) -> Path:
     return target
 
 
-def _cpu_has_avx512f() -> bool:
-    return " avx512f" in _cpu_flags()
+def variant() -> Optional[str]:
+    """The kernel variant this CPU runs (a key of :data:`VARIANTS`), or None: the best one
+    whose flags the CPU has, unless ``KVPAGE_NATIVE_KERNELS`` is ``0`` (none) or names one."""
+    wanted = os.environ.get("KVPAGE_NATIVE_KERNELS", "1")
+    if wanted == "0":
+        return None
+    flags = set(_cpu_flags().split())
+    for name, (_, needs) in VARIANTS.items():
+        if wanted in ("1", name) and set(needs) <= flags:
+            return name
+    return None
 
 
 @functools.lru_cache(maxsize=None)
 def library() -> Optional[ctypes.CDLL]:
     """The loaded kernels, or None where they are unavailable (see the module docstring)."""
-    if os.environ.get("KVPAGE_NATIVE_KERNELS", "1") == "0" or not _cpu_has_avx512f():
+    name = variant()
+    if name is None:
         return None
     compiler = _compiler()
     if compiler is None:
         log.info("no C++ compiler found: CPU attention stays on the numba kernels")
         return None
     try:
-        lib = ctypes.CDLL(str(_build(compiler)))
+        lib = ctypes.CDLL(str(_build(compiler, VARIANTS[name][0])))
     except (OSError, RuntimeError, subprocess.SubprocessError) as err:
         log.warning("kvpage's native CPU kernels did not build (%s); CPU attention stays on the numba kernels",
                     str(err).splitlines()[-1] if str(err) else type(err).__name__)
@@ -116,6 +135,8 @@ def library() -> Optional[ctypes.CDLL]:
     lib.kvpage_store_rows.argtypes = [_p, _i64, _i64, _i64, _i64, _p, _i64, _i64, _p, _i64]
     lib.kvpage_row_argmax.restype = None
     lib.kvpage_row_argmax.argtypes = [_p, _i64, _i64, _i64, _p, _p, _i32]
+    lib.kvpage_prefill_uses_amx.restype = _i32
+    lib.kvpage_prefill_uses_amx.argtypes = [_i32, _i64]
     return lib
 
 
@@ -146,6 +167,13 @@ def decode_attention(lib: ctypes.CDLL, dtype_name: str, q_ptr: int, q_strides: t
     if code != 0:
         raise ValueError(f"native decode attention refused head_dim {head_dim} with {num_heads} query and "
                          f"{num_kv_heads} KV heads (code {code})")
+
+
+def prefill_uses_amx(lib: ctypes.CDLL, dtype_name: str, head_dim: int) -> bool:
+    """Whether :func:`prefill_attention` of this element type and head size runs its scores
+    and P.V on the AMX tile unit (the AVX-512 variant, bf16, head size 64/128/256, a CPU with
+    AMX-BF16, Linux's grant of tile state, ``KVPAGE_AMX`` not ``0``); otherwise on vectors."""
+    return bool(lib.kvpage_prefill_uses_amx(ELEM_TYPES[dtype_name], head_dim))
 
 
 def prefill_attention(lib: ctypes.CDLL, dtype_name: str, q_ptr: int, q_strides: tuple, key_ptr: int, value_ptr: int,
