@@ -96,20 +96,44 @@ class PagedForwardContext:
     site_prepared: Optional[list] = None  # None: every site reads ``prepared``
     site_chunks: Optional[list] = None  # each site's attention chunk (None: no chunked site)
     site_alibi: Optional[list] = None  # each site's ALiBi slopes (None: no ALiBi site)
+    metadata: Optional[StepMetadata] = None  # the step's, for sites that read it whole (DSA indexers)
+    mask_placeholder: bool = False  # hand the model ``MASK_PLACEHOLDER`` for its mask (DSA models index it)
     _calls: dict = field(default_factory=dict)  # layer -> calls so far this forward
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
-               sliding_window: Optional[int], softcap: Optional[float], sinks: Optional[torch.Tensor]) -> torch.Tensor:
-        """Write the call site's new K/V (unless it reads another site's), then attend;
-        tensors are ``[T, heads, D]``, the result ``[T, H, D_v]``."""
+    def _next_site(self, layer: int) -> int:
+        """The site of layer ``layer``'s next call this forward (counted)."""
         self.layers_called += 1
-        site = layer
-        if self.first_site is not None:
-            calls = self._calls.get(layer, 0)
-            self._calls[layer] = calls + 1
-            site = self.first_site[layer] + calls
+        if self.first_site is None:
+            return layer
+        calls = self._calls.get(layer, 0)
+        self._calls[layer] = calls + 1
+        return self.first_site[layer] + calls
+
+    def indexer_site(self, layer: int) -> tuple[torch.Tensor, StepMetadata]:
+        """A DSA indexer's call (``sparse_indexer``): its site's key buffer (one head; the
+        value buffer is empty) and the step's metadata; the indexer writes its own keys."""
+        site = self._next_site(layer)
+        if self.metadata is None or self.site_prepared is not None:
+            raise RuntimeError("a DSA indexer needs the step's metadata and one KV group")
+        return self.key_caches[site], self.metadata
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
+               sliding_window: Optional[int], softcap: Optional[float], sinks: Optional[torch.Tensor],
+               key_selection: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Write the call site's new K/V (unless it reads another site's), then attend;
+        tensors are ``[T, heads, D]``, the result ``[T, H, D_v]``. ``key_selection`` (DSA:
+        ``[T, K]`` key positions per query, -1 none) restricts each query to those keys."""
+        site = self._next_site(layer)
         key_cache, value_cache = self.key_caches[site], self.value_caches[site]
         prepared = self.prepared if self.site_prepared is None else self.site_prepared[site]
+        if key_selection is not None:
+            from kvpage.attention.torch_cpu import selected_attention_torch
+
+            if site not in self.reading_only:
+                self.backend.write_kv(key_cache, value_cache, k, v, prepared)
+            md = self.metadata
+            return selected_attention_torch(q, key_cache, value_cache, md.query_start_loc, md.seq_lens,
+                                            md.block_tables, key_selection, scaling, softcap, sinks)
         chunk = self.site_chunks[site] if self.site_chunks is not None else None
         slopes = self.site_alibi[site] if self.site_alibi is not None else None
         if chunk or slopes is not None:  # only some backends mask by chunks or add ALiBi
@@ -155,6 +179,7 @@ class ProbeContext:
     first_query: Optional[torch.Tensor] = None  # the first call's q [T, H, D], with record_query
     layers_with_masks: set = field(default_factory=set)
     foreign_calls: list = field(default_factory=list)
+    mask_placeholder: bool = False  # as PagedForwardContext's
     _seen: dict = field(default_factory=dict)  # (k storage, v storage) -> first call handed them
     _alive: list = field(default_factory=list)
 
@@ -176,6 +201,12 @@ class ProbeContext:
                                               attention_chunk=attention_chunk)))
         self.dtype = k.dtype
         return q.new_zeros((*q.shape[:-1], v.shape[-1]))
+
+    def record_site(self, layer: int, spec: LayerKVSpec, dtype: torch.dtype) -> None:
+        """A call site that stores rows without attending (a DSA indexer's keys)."""
+        self.layers_called += 1
+        self.calls.append((layer, spec))
+        self.dtype = dtype
 
     def sites(self) -> list:
         """``[(layer, LayerKVSpec)]`` in site order (by layer, then call order), ``reuses``
@@ -238,6 +269,8 @@ def kvpage_attention_forward(
     """Attention over paged KV. ``query`` is ``[1, H, T, D]``, ``key``/``value`` ``[1, H_kv, T, D]``
     (or ``[n, ., L, .]``: n sequences of L rows each, T = n * L, from a model with recurrent
     layers); returns ``([1, T, H, D], None)`` (``[n, L, H, D]``) as transformers expects."""
+    if attention_mask is MASK_PLACEHOLDER:
+        attention_mask = None
     if torch.compiler.is_compiling():
         return _compiled_attention(module, query, key, value, scaling, sliding_window, softcap, s_aux)
     kvpage_context = kvpage_context or _STEP.get()
@@ -259,6 +292,8 @@ def kvpage_attention_forward(
         scaling = query.shape[-1] ** -0.5
     # The probe records which layers attend in chunks; a step reads that from its sites.
     extra = {"attention_chunk": _attention_chunk(module)} if isinstance(kvpage_context, ProbeContext) else {}
+    if kwargs.get("indices") is not None and isinstance(kvpage_context, PagedForwardContext):
+        extra["key_selection"] = kwargs["indices"].reshape(batch * length, -1)  # a DSA indexer's picks
     out = kvpage_context.attend(_layer_index(module), q, k, v, float(scaling), sliding_window, softcap, s_aux,
                                 **extra)
     return out.reshape(batch, length, *out.shape[1:]), None
@@ -318,10 +353,20 @@ def current_step() -> Union[PagedForwardContext, ProbeContext]:
     return context
 
 
+#: What the model gets for its attention mask in a paged step of a DSA model, whose
+#: attention module indexes the mask before its indexer (which ignores it): kvpage builds
+#: no mask, and attention treats this one as none.
+MASK_PLACEHOLDER = torch.ones((1, 1, 1, 1), dtype=torch.bool)
+
+
 def kvpage_mask(*args: Any, **kwargs: Any) -> Optional[torch.Tensor]:
-    """Mask builder for the ``kvpage`` implementation: none during paged steps, else an eager mask."""
-    if torch.compiler.is_compiling() or _STEP.get() is not None:
+    """Mask builder for the ``kvpage`` implementation: none during paged steps (the
+    placeholder where the step asks for one), else an eager mask."""
+    if torch.compiler.is_compiling():
         return None
+    step = _STEP.get()
+    if step is not None:
+        return MASK_PLACEHOLDER if step.mask_placeholder else None
     from transformers.masking_utils import eager_mask
 
     return eager_mask(*args, **kwargs)

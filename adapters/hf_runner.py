@@ -23,6 +23,7 @@ from kvpage.core.metadata import StepMetadata
 from kvpage.kv_storage import LayerKVSpec, PagedKVCache
 
 from .attention_ports import alibi_slopes_by_layer, has_port, install_ports, port_refusal
+from .sparse_indexer import has_indexers, install_indexer_ports
 from .compiled_forward import CompiledForward
 from .layer_kinds import attention_modules_of_layer, unsupported_layer_reason
 from .onednn_linear import use_onednn_linears
@@ -106,6 +107,9 @@ class HFModelRunner:
         self._text_only = not switchable and text_decoder_switchable(model)
         self._ported = not switchable and not self._text_only
         self._undo_ports = install_ports(model) if self._ported else (lambda: None)
+        # DSA models: each indexer becomes one more paged site of its layer (sparse_indexer).
+        self.sparse_indexers = has_indexers(model)
+        self._undo_indexers = install_indexer_ports(model) if self.sparse_indexers else (lambda: None)
         if self._text_only:
             self.original_attn_implementation = {"text_config": model.config.text_config._attn_implementation}
             model.set_attn_implementation({"text_config": ATTN_IMPLEMENTATION})
@@ -212,7 +216,8 @@ class HFModelRunner:
         """A forward of ``num_tokens`` dummy tokens (all ``token``) at positions from
         ``first_position``, attention stubbed out (layouts, memory, compilation); through
         ``forward`` if given, else the eager model."""
-        probe = ProbeContext(num_real_tokens=num_tokens, track_sharing=track_sharing, record_query=record_query)
+        probe = ProbeContext(num_real_tokens=num_tokens, track_sharing=track_sharing, record_query=record_query,
+                             mask_placeholder=self.sparse_indexers)
         ids = torch.full((num_tokens,), token, dtype=torch.long, device=self.device)
         positions = torch.arange(first_position, first_position + num_tokens, device=self.device)
         rows = torch.tensor([num_tokens - 1], device=self.device)
@@ -227,8 +232,9 @@ class HFModelRunner:
     def compile(self) -> float:
         """Run every later step through ``torch.compile``; compiles now. Returns the seconds taken.
         A model with recurrent layers stays eager (its steps are several forwards of varying
-        batch shape, with a cache object built per forward) and this returns 0."""
-        if self.state_layout:
+        batch shape, with a cache object built per forward), as does a DSA model (its
+        indexers run per sequence); for those this returns 0."""
+        if self.state_layout or self.sparse_indexers:
             return 0.0
         self.compiled = CompiledForward(self.model, self._takes_logits_to_keep)
         return self.compiled.warm_up(lambda forward, n: self.probe_forward(n, forward))
@@ -295,7 +301,8 @@ class HFModelRunner:
         return PagedForwardContext(self.key_caches, self.value_caches, self.backend, prepared,
                                    num_real_tokens=metadata.num_tokens, reading_only=self.reading_only,
                                    first_site=self.first_site, site_prepared=site_prepared,
-                                   site_chunks=self.site_chunks, site_alibi=self.site_alibi)
+                                   site_chunks=self.site_chunks, site_alibi=self.site_alibi, metadata=metadata,
+                                   mask_placeholder=self.sparse_indexers)
 
     def _execute_stateful(self, metadata: StepMetadata) -> torch.Tensor:
         """The step as one forward ``[n, L]`` per group of sequences sharing a query length
@@ -358,6 +365,8 @@ class HFModelRunner:
         """Switch the model back to the attention implementation and linears it had before."""
         self._undo_ports()
         self._undo_ports = lambda: None
+        self._undo_indexers()
+        self._undo_indexers = lambda: None
         if not self._ported:
             self.model.set_attn_implementation(self.original_attn_implementation)
         self._undo_linears()

@@ -5,8 +5,10 @@ kvpage pages attention K/V. A layer that carries recurrent state from token to t
 convolutions, RWKV, xLSTM, RG-LRU) is served when the model keeps that state in
 transformers' ``Cache`` (``recurrent_state`` slots it per request); this module names
 the recurrent layers so that the runner can look. A layer that picks its keys through an
-indexer with a cache of its own (DeepSeek's sparse attention) has state kvpage does not
-keep, so such a model is refused, with the layer named, before anything runs.
+indexer (DeepSeek's sparse attention, ``indexed_attention``) is served where the indexer
+is a module kvpage can port (``sparse_indexer`` pages its keys); compressed variants
+(DeepSeek-V4's) keep state kvpage does not, so such a model is refused, with the layer
+named, before anything runs.
 
 Two sources, both read-only: the text config's ``layer_types`` (transformers names the
 kinds: "full_attention", "sliding_attention", "linear_attention", "conv", ...), and the
@@ -18,6 +20,8 @@ import re
 from typing import Optional
 
 import torch
+
+from .sparse_indexer import has_indexers
 
 #: Layer kinds that keep recurrent state (transformers' ``layer_types`` names).
 RECURRENT_KINDS = frozenset({"linear_attention", "conv", "mamba", "mamba2", "recurrent", "ssm", "rwkv", "mlstm",
@@ -53,7 +57,7 @@ def unsupported_layer_reason(model: torch.nn.Module, state_in_cache: bool = Fals
             if state_in_cache:
                 continue
             return _recurrent_reason(model, index, kind)
-        if kind in SPARSE_KINDS:
+        if kind in SPARSE_KINDS and not (kind == "indexed_attention" and has_indexers(model)):
             return (f"kvpage serves dense attention over its KV blocks only; layer type '{kind}' (layer {index}) "
                     "attends to keys chosen by an indexer that keeps a cache of its own")
     if not state_in_cache and _state_module(model, None) is not None:

@@ -44,7 +44,8 @@ class LayerKVSpec:
     MLA models (DeepSeek-V2/V3, MiniCPM3: V's head is smaller than K's, which carries the
     rotary part). ``reuses`` names an earlier layer whose K/V this layer reads instead of
     its own (cross-layer KV sharing, as in Gemma3n): such a layer allocates nothing, and
-    its layout must equal its owner's.
+    its layout must equal its owner's. A ``v_head_dim`` of 0 is a site that stores keys
+    only: a DSA indexer's keys (``adapters.sparse_indexer``).
 
     Two layers with equal fields (``reuses`` aside) have interchangeable buffers; that is
     the key to group layers by (``KVCacheSpec.layers_by_layout``).
@@ -61,8 +62,10 @@ class LayerKVSpec:
     attention_chunk: Optional[int] = None
 
     def __post_init__(self) -> None:
-        for name in ("k_heads", "k_head_dim", "v_heads", "v_head_dim"):
+        for name in ("k_heads", "k_head_dim", "v_heads"):
             _check_positive(name, getattr(self, name))
+        if self.v_head_dim != 0:  # 0: a site that stores keys only (a DSA indexer's)
+            _check_positive("v_head_dim", self.v_head_dim)
         for name in ("sliding_window", "attention_chunk"):
             if getattr(self, name) is not None:
                 _check_positive(name, getattr(self, name))

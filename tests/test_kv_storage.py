@@ -64,7 +64,15 @@ def test_per_layer_spec_rejects_bad_layouts(layers, match):
     with pytest.raises(ValueError, match=match):
         KVCacheSpec(layers, block_size=4)
     with pytest.raises(ValueError, match="v_head_dim"):
-        LayerKVSpec(2, 8, 2, 0)
+        LayerKVSpec(2, 8, 2, -1)
+
+
+def test_a_keys_only_site_holds_no_values():
+    """v_head_dim 0: a site that stores keys only (a DSA indexer's), priced by its keys."""
+    spec = KVCacheSpec((LayerKVSpec(1, 16, 1, 0), LayerKVSpec.symmetric(2, 8)), block_size=4, dtype="float32")
+    assert spec.bytes_per_block == 4 * 4 * (16 + 2 * 8 * 2)
+    cache = PagedKVCache(spec, 3, backend="numpy")
+    assert tuple(cache.key_cache(0).shape) == (3, 4, 1, 16) and cache.value_cache(0).size == 0
 
 
 @pytest.mark.parametrize("backend", ["numpy", "torch"])

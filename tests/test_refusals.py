@@ -20,8 +20,9 @@ CASES = {
     "recurrent_gemma": (tf.RecurrentGemmaConfig, tf.RecurrentGemmaForCausalLM, "layer type 'rg_lru'"),
     "rwkv": (tf.RwkvConfig, tf.RwkvForCausalLM, "layer type 'rwkv' keeps recurrent state .* outside transformers' Cache"),
     "minimax": (tf.MiniMaxConfig, tf.MiniMaxForCausalLM, "'lightning_attention' keeps recurrent state"),
-    # keys chosen by an indexer with a cache of its own
-    "deepseek_v32": (tf.DeepseekV32Config, tf.DeepseekV32ForCausalLM, "'indexed_attention'"),
+    # keys chosen among compressed ones by an indexer with a cache of its own (plain DSA
+    # indexers are served: test_sparse_indexer)
+    "deepseek_v4": (tf.DeepseekV4Config, tf.DeepseekV4ForCausalLM, "'heavily_compressed_attention'"),
     # attention mask/bias of the model's own making
     "doge": (tf.DogeConfig, tf.DogeForCausalLM, "mask or bias of its own making"),
     # a learned relative-position bias handed to attention

@@ -217,3 +217,40 @@ def paged_attention_torch(
                                                sliding_window, softcap, sinks_t, attention_chunk=attention_chunk,
                                                alibi_slopes=alibi_slopes)
     return out
+
+
+def selected_attention_torch(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, query_start_loc,
+                             seq_lens, block_tables, key_selection: torch.Tensor, scaling: float,
+                             softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Sparse paged attention (DeepSeek's DSA): query row ``t`` attends only the key
+    positions ``key_selection[t]`` lists (int ``[T, K]``, -1 for none), within causality.
+    Otherwise as ``paged_attention_torch`` (queries are the last positions of each
+    context); explicit fp32 math, one sequence at a time. Returns ``[T, H, D_v]``."""
+    qsl, lens, tables = as_long(query_start_loc), as_long(seq_lens), as_long(block_tables)
+    sinks_t = None if sinks is None else torch.as_tensor(sinks, dtype=torch.float32)
+    selection = key_selection.to(device="cpu", dtype=torch.int64)
+    num_heads = q.shape[1]
+    block_size = key_cache.shape[1]
+    out = q.new_empty((*q.shape[:2], value_cache.shape[3]))
+    bounds = qsl.tolist()
+    for i, seq_len in enumerate(lens.tolist()):
+        start, end = bounds[i], bounds[i + 1]
+        q_len = end - start
+        if not q_len:
+            continue
+        ids = tables[i][: -(-seq_len // block_size)]
+        k = _gather(key_cache, ids)[:seq_len].transpose(0, 1)  # [H_kv, L, D]
+        v = _gather(value_cache, ids)[:seq_len].transpose(0, 1)
+        k, v = _same_heads(k, v, num_heads, dim=0)
+        group = num_heads // k.shape[0]
+        picked = selection[start:end]
+        # Column seq_len collects the -1 entries (and any past the context); it is cut off again.
+        chosen = torch.zeros((q_len, seq_len + 1), dtype=torch.bool)
+        chosen.scatter_(1, torch.where((picked < 0) | (picked >= seq_len), seq_len, picked), True)
+        mask = chosen[:, :seq_len] & _prefill_mask(q_len, seq_len, None)
+        qg = q[start:end].permute(1, 0, 2).reshape(k.shape[0], group * q_len, q.shape[2])
+        sink = None if sinks_t is None else sinks_t.view(k.shape[0], group, 1, 1).expand(-1, -1, q_len, 1).reshape(
+            k.shape[0], group * q_len, 1)
+        attended = _attend_math(qg, k, v, mask.repeat(group, 1), scaling, softcap, sink)
+        out[start:end] = attended.reshape(num_heads, q_len, v.shape[-1]).transpose(0, 1)
+    return out

@@ -55,7 +55,11 @@ _FIXED = {  # name -> small value, for positive int defaults
     "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4,
     "num_experts_per_tok": 2, "moe_k": 2, "num_experts_per_token": 2, "moe_topk": 2, "router_top_k": 2,
     "top_k": 2, "n_group": 1, "topk_group": 1, "num_expert_group": 1,
-    "index_n_heads": 2, "index_topk": 4,
+    # A DSA indexer scores a key by the ReLU dot products of its heads; with only a few heads,
+    # many keys score exactly 0 (all heads negative), which checkpoints (64 heads) never see,
+    # and at such ties HF's picks for a prompt token depend on the prompt's length, so two
+    # prompts sharing a prefix pick differently on it (which a prefix cache cannot follow).
+    "index_n_heads": 16, "index_topk": 4,
     "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_num_heads": 4,
     "mamba_d_state": 8, "state_size": 8, "ssm_state_size": 8, "mamba_n_heads": 4, "n_mamba_heads": 4,
     "mamba_chunk_size": 8, "chunk_size": 8, "time_step_rank": 8, "mamba_dt_rank": 8, "mamba_d_ssm": 64,

@@ -68,6 +68,9 @@ class StepMetadata:
             the block tables and slot mappings of groups 1.. (group 0's are
             ``block_tables`` and ``slot_mapping``). In a sliding-window group, the entries
             of blocks behind the window are padding (0) as well; kernels never read them.
+        prompt_lens: int64 [B] each sequence's prompt length (tokens before its first
+            output), for computations that depend on it (the sparse-attention indexer's
+            score rows are as long as HF's: the prompt for prompt tokens).
     """
 
     input_ids: np.ndarray
@@ -89,6 +92,7 @@ class StepMetadata:
     group_slot_mappings: tuple = ()
     state_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     state_copies: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), dtype=np.int64))
+    prompt_lens: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
     @property
     def num_groups(self) -> int:
@@ -124,7 +128,8 @@ class StepMetadata:
             group_block_tables=tuple(t[seqs] for t in self.group_block_tables),
             group_slot_mappings=tuple(m[rows] for m in self.group_slot_mappings),
             state_slots=self.state_slots[seqs] if len(self.state_slots) else self.state_slots,
-            state_copies=np.zeros((0, 2), dtype=np.int64))
+            state_copies=np.zeros((0, 2), dtype=np.int64),
+            prompt_lens=self.prompt_lens[seqs] if len(self.prompt_lens) else self.prompt_lens)
         return part, rows
 
     @property
@@ -245,6 +250,7 @@ def build_step_metadata(
         state_slots=np.fromiter((-1 if r.state_slot is None else r.state_slot for r in requests), dtype=np.int64,
                                 count=num_seqs),
         state_copies=np.asarray(state_copies, dtype=np.int64).reshape(-1, 2),
+        prompt_lens=np.fromiter((r.num_prompt_tokens for r in requests), dtype=np.int64, count=num_seqs),
     )
 
 
