@@ -285,6 +285,9 @@ def _assemble(runner: HFModelRunner, model: torch.nn.Module, tokenizer: Any, con
         if runner.state_layout:
             log.info("compilation off: a model with recurrent layers runs eager (several forwards per step, "
                      "a cache object per forward)")
+        elif runner.sparse_indexers:
+            log.info("compilation off: a model with DeepSeek sparse attention runs eager (its indexers run per "
+                     "sequence)")
         else:
             runner.compile()
     eos = eos_token_ids(model, tokenizer)

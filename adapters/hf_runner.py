@@ -109,6 +109,9 @@ class HFModelRunner:
         self._undo_ports = install_ports(model) if self._ported else (lambda: None)
         # DSA models: each indexer becomes one more paged site of its layer (sparse_indexer).
         self.sparse_indexers = has_indexers(model)
+        if self.sparse_indexers and self.device.type != "cpu":
+            raise UnsupportedModelError(f"{type(model).__name__}: kvpage serves DeepSeek sparse attention (DSA "
+                                        "indexers) on CPU only; its CUDA kernels attend densely")
         self._undo_indexers = install_indexer_ports(model) if self.sparse_indexers else (lambda: None)
         if self._text_only:
             self.original_attn_implementation = {"text_config": model.config.text_config._attn_implementation}

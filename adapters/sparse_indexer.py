@@ -11,8 +11,9 @@ positions reach kvpage attention as the ``indices`` transformers hands it.
 
 ``install_indexer_ports(model)`` swaps an ``IndexerPort`` in for every indexer module, on
 the loaded instance (no class is patched); the port runs the original module's own
-forward (its projections, norm and rotary variant differ by family) with a stand-in cache
-whose ``update_indexer`` stores the new keys and returns the sequence's paged ones.
+forward (its projections, norm and rotary variant differ by family) twice per step, each
+time with a stand-in cache: the first pass's ``update_indexer`` stores the step's new keys,
+the second's returns each sequence's paged keys, against which its picks are made.
 
 **The same top-k as HF.** ReLU scores tie exactly (at 0) whenever all index heads score a
 key negative, and ``torch.topk`` resolves ties differently for rows of different lengths.
@@ -20,8 +21,11 @@ So each score row is as long as HF's: HF scores a prompt token against the whole
 (the later tokens masked) and a generated token against its context. The port therefore
 runs the indexer once per sequence for its prompt rows (rows of the prompt's length,
 whatever the chunk) and once per generated row (a decode is one; a sequence recomputed
-after preemption has one per generated token). This path is eager and loops over
-sequences: correctness first, for the families' tiny and CPU-sized configurations.
+after preemption has one per generated token). At such ties HF's picks for a prompt's
+early tokens also depend on how long the prompt is, so a prefix cached from one prompt
+carries that prompt's picks; checkpoints (64 index heads) do not tie. This path is eager,
+on CPU, and loops over sequences: correctness first, for the families' small
+configurations.
 """
 from __future__ import annotations
 
@@ -67,19 +71,29 @@ def install_indexer_ports(model: nn.Module) -> Callable[[], None]:
     return undo
 
 
-class _PagedIndexerKeys:
-    """The ``cache`` argument the original indexer gets: ``update_indexer(k [1, R, D])``
-    stores the rows' keys at their slots and returns the sequence's keys ``[1, L, D]`` for
-    positions ``0 .. L-1`` (zeros past the newest stored position, which the row mask hides)."""
+class _StoreIndexerKeys:
+    """The ``cache`` argument of the first pass: ``update_indexer(k [1, R, D])`` stores the
+    rows' keys at their slots and hands them back (scores among themselves, discarded)."""
 
-    def __init__(self, key_cache: torch.Tensor, slots: torch.Tensor, block_ids: torch.Tensor, known: int,
-                 row_length: int) -> None:
-        self.key_cache, self.slots, self.block_ids = key_cache, slots, block_ids
-        self.known, self.row_length = known, row_length  # positions stored once these rows are
+    def __init__(self, key_cache: torch.Tensor, slots: torch.Tensor) -> None:
+        self.key_cache, self.slots = key_cache, slots
 
     def update_indexer(self, k: torch.Tensor, layer_idx: int) -> torch.Tensor:
         flat = self.key_cache.view(-1, self.key_cache.shape[-1])  # one head: [slots, D]
         flat.index_copy_(0, self.slots, k[0].to(flat.dtype))
+        return k
+
+
+class _PagedIndexerKeys:
+    """The ``cache`` argument of the second pass: ``update_indexer`` returns the sequence's
+    stored keys ``[1, L, D]`` for positions ``0 .. L-1`` (zeros past ``known``, the newest
+    stored position + 1, which the row mask hides)."""
+
+    def __init__(self, key_cache: torch.Tensor, block_ids: torch.Tensor, known: int, row_length: int) -> None:
+        self.key_cache, self.block_ids = key_cache, block_ids
+        self.known, self.row_length = known, row_length
+
+    def update_indexer(self, k: torch.Tensor, layer_idx: int) -> torch.Tensor:
         block_size = self.key_cache.shape[1]
         blocks = self.block_ids[: -(-self.known // block_size)]
         stored = torch.index_select(self.key_cache, 0, blocks).view(-1, self.key_cache.shape[-1])[: self.known]
@@ -132,26 +146,34 @@ class IndexerPort(nn.Module):
         return torch.full((1, tokens, self.index_topk), -1, dtype=torch.long, device=hidden_states.device)
 
     def _select(self, key_cache, metadata, hidden_states, q_resid, position_embeddings) -> torch.Tensor:
+        """Two passes over the step's runs of rows: every run stores its keys, then every run
+        scores against its sequence's stored keys. A sequence may read keys that another one
+        computes in the same step (a prefix block shared as it is filled), so all keys must be
+        stored before any run scores."""
         device = hidden_states.device
         num_rows = hidden_states.shape[1]
-        selection = torch.full((num_rows, self.index_topk), -1, dtype=torch.long, device=device)
         positions = metadata.positions
         slots = torch.as_tensor(metadata.slot_mapping, dtype=torch.long, device=device)
         tables = torch.as_tensor(metadata.block_tables, dtype=torch.long, device=device)
         starts = metadata.query_start_loc.tolist()
+        runs = []  # (sequence, first row, end row, score row length)
         for seq, prompt_len in enumerate(metadata.prompt_lens.tolist()):
             start, end = starts[seq], starts[seq + 1]
             # Prompt rows share one run (rows of the prompt's length); each generated row runs alone.
             first_generated = start + int(np.searchsorted(positions[start:end], prompt_len))
-            runs = ([(start, first_generated, prompt_len)] if first_generated > start else []) + \
-                [(row, row + 1, int(positions[row]) + 1) for row in range(first_generated, end)]
-            for lo, hi, row_length in runs:
-                last = int(positions[hi - 1])
-                cache = _PagedIndexerKeys(key_cache, slots[lo:hi], tables[seq], last + 1, row_length)
-                row_pos = torch.as_tensor(positions[lo:hi], device=device).view(-1, 1)
-                mask = (torch.arange(row_length, device=device).view(1, -1) <= row_pos)[None]
-                picked = self._run(hidden_states, q_resid, position_embeddings, slice(lo, hi), mask, cache)[0].long()
-                # A row with fewer visible keys than the top-k also picks masked ones: drop them.
-                selection[lo:hi, : picked.shape[1]] = torch.where(picked <= row_pos, picked, -1)
+            if first_generated > start:
+                runs.append((seq, start, first_generated, prompt_len))
+            runs += [(seq, row, row + 1, int(positions[row]) + 1) for row in range(first_generated, end)]
+        for _, lo, hi, _ in runs:
+            causal = torch.ones((1, hi - lo, hi - lo), dtype=torch.bool, device=device).tril()
+            self._run(hidden_states, q_resid, position_embeddings, slice(lo, hi), causal,
+                      _StoreIndexerKeys(key_cache, slots[lo:hi]))
+        selection = torch.full((num_rows, self.index_topk), -1, dtype=torch.long, device=device)
+        for seq, lo, hi, row_length in runs:
+            cache = _PagedIndexerKeys(key_cache, tables[seq], int(positions[hi - 1]) + 1, row_length)
+            row_pos = torch.as_tensor(positions[lo:hi], device=device).view(-1, 1)
+            mask = (torch.arange(row_length, device=device).view(1, -1) <= row_pos)[None]
+            picked = self._run(hidden_states, q_resid, position_embeddings, slice(lo, hi), mask, cache)[0].long()
+            # A row with fewer visible keys than the top-k also picks masked ones: drop them.
+            selection[lo:hi, : picked.shape[1]] = torch.where(picked <= row_pos, picked, -1)
         return selection[None]
-

@@ -116,3 +116,31 @@ def test_selecting_every_key_is_dense_attention():
     sparse = selected_attention_torch(q, key_cache, value_cache, qsl, seq_lens, tables, everything, 0.25)
     dense = paged_attention_torch(q, key_cache, value_cache, qsl, seq_lens, tables, 0.25)
     torch.testing.assert_close(sparse, dense, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tiers", [{}, dict(kv_offloading_size=0.001)])
+def test_prompts_submitted_together_and_the_host_tier(tiers, tmp_path):
+    """All prompts in one call: a prompt hits the prefix blocks another fills in the same
+    step, so every indexer key must be stored before any is read. With the host tier the
+    indexer's keys-only blocks travel like KV (the disk tier takes one K-and-V-alike
+    layout only, so MLA models are refused it)."""
+    model = _model("deepseek_v32")
+    prompts = census_prompts(model.config.vocab_size)
+    expected, _ = hf_reference(model, prompts, 8)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    llm = LLM(model, dtype="float32", max_model_len=48, block_size=4, num_kv_blocks=14, max_num_batched_tokens=9,
+              **tiers)
+    try:
+        rounds = [[list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+                  for _ in range(2)]
+        stats = llm.stats()
+    finally:
+        llm.engine.close()
+        llm.restore()
+    assert rounds == [expected, expected]
+    assert stats["prefix_cache_hits"] > 0
+    if tiers:
+        assert stats["kv_host_loads"] > 0
+    with pytest.raises(ValueError, match="disk KV tier"):
+        LLM(model, dtype="float32", max_model_len=48, block_size=4, kv_disk_cache=str(tmp_path / "kv"))
+    assert not any(isinstance(m, IndexerPort) for m in model.modules())
