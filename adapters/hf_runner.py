@@ -23,7 +23,6 @@ from kvpage.core.metadata import StepMetadata
 from kvpage.kv_storage import LayerKVSpec, PagedKVCache
 
 from .attention_ports import alibi_slopes_by_layer, has_port, install_ports, port_refusal
-from .sparse_indexer import has_indexers, install_indexer_ports
 from .compiled_forward import CompiledForward
 from .layer_kinds import attention_modules_of_layer, unsupported_layer_reason
 from .onednn_linear import use_onednn_linears
@@ -32,6 +31,7 @@ from .recurrent_state import (RecurrentStateSlots, StateEntry, cache_argument, c
                               probe_state_layout)
 from .hf_attention import (ATTN_IMPLEMENTATION, AttentionBackend, PagedForwardContext, ProbeContext, paged_step,
                            register_kvpage_attention)
+from .sparse_indexer import has_indexers, install_indexer_ports
 
 
 class UnsupportedModelError(ValueError):
