@@ -1,8 +1,8 @@
 """kvpage attention for families whose HF attention bypasses transformers' AttentionInterface.
 
 A few families (GPT-Neo, GPT-NeoX-Japanese, Falcon, Bloom, MPT, OpenAI GPT, the Bart-style
-decoders of XGLM, TrOCR and MVP, the BERT-style decoders of RemBERT, MegatronBERT, BigBird
-and RoFormer) compute attention inline in their attention module, so there is no interface call for kvpage to
+decoders of XGLM, TrOCR and MVP, the BERT-style decoders of RemBERT, MegatronBERT, BigBird,
+RoFormer and GIT) compute attention inline in their attention module, so there is no interface call for kvpage to
 answer. For those, a *port* takes the place of each attention module in its parent, on the
 loaded instance (no class is patched), and computes what the original computes with the
 original's own weights, submodules and helpers (its head splits, the modeling file's rotary
@@ -17,6 +17,11 @@ the heads' slopes instead (``alibi_slopes``, read off the model's own ALiBi buil
 runner hands them to the attention backend per site, which adds ``slope * key position``
 within each sequence. A port knows its family's variants; ``port_refusal`` says which it
 does not serve.
+
+A family whose modeling file later moves onto the interface stops needing its port: the
+runner installs ports only for models that cannot switch attention implementation. Falcon
+did so (transformers 5.2x) and now folds ALiBi into the mask it builds; ``mask_alibi_slopes``
+gives the runner those slopes instead. Its port stays for the releases before.
 """
 from __future__ import annotations
 
@@ -89,7 +94,8 @@ class GPTNeoXJapaneseAttentionPort(_Port):
 class FalconAttentionPort(_Port):
     """Falcon's attention (every head layout: multi-head, multi-query and the new decoder
     architecture's grouped KV), scaled by ``1/sqrt(head_dim)``, with rotary positions or
-    ALiBi (whose bias Falcon scales with the scores)."""
+    ALiBi (whose bias Falcon scales with the scores). For the transformers releases whose
+    Falcon attention is inline (those before its ``_split_heads`` went away)."""
 
     def __init__(self, inner: nn.Module, layer_idx: int, config) -> None:
         super().__init__(inner, layer_idx, config)
@@ -214,6 +220,15 @@ class BertSelfAttentionPort(_Port):
         return query, key, value
 
 
+class GitSelfAttentionPort(BertSelfAttentionPort):
+    """GIT's text decoder: BERT-style self-attention, called with the cache where BERT has
+    its encoder states (kvpage's forwards carry none). Text-only requests never run GIT's
+    image encoder, whose tokens HF would let attend each other bidirectionally."""
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask=None, cache=None, **kwargs):
+        return super().forward(hidden_states, attention_mask, **kwargs)
+
+
 class RoFormerSelfAttentionPort(BertSelfAttentionPort):
     """RoFormer's: the BERT-style attention with its sinusoidal rotary on Q and K (and V
     when ``rotary_value``), applied by the original's own helper. The table comes from the
@@ -229,6 +244,46 @@ class RoFormerSelfAttentionPort(BertSelfAttentionPort):
         return (*rotate(sinusoidal_pos, query, key), value)
 
 
+class DogeAttentionPort(_Port):
+    """Doge's attention with its dynamic mask: each key adds a bias of its own to every score
+    it takes part in (``exp(A * softplus(dt_proj(value)))``, per KV head), which Doge builds
+    into the mask it hands the interface. kvpage builds no mask; the port carries the bias in
+    the key instead: ``[k, bias]`` against ``[q, 1/scaling]`` scores ``q.k * scaling + bias``
+    (so the paged K of a Doge layer is one wider than its V). Doge keeps only the
+    ``keep_window_size`` keys of highest bias once a sequence is longer than that; below it
+    the mask is dense, and kvpage serves Doge up to that length (``model_len_limit``)."""
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, cache=None,
+                **kwargs):
+        inner = self.inner
+        apply_rotary = sys.modules[type(inner).__module__].apply_rotary_pos_emb
+        shape = (*hidden_states.shape[:-1], -1, inner.head_dim)
+        query = inner.q_norm(inner.q_proj(hidden_states).view(shape)).transpose(1, 2)
+        key = inner.k_norm(inner.k_proj(hidden_states).view(shape)).transpose(1, 2)
+        value = inner.v_proj(hidden_states).view(shape).transpose(1, 2)
+        cos, sin = position_embeddings
+        query, key = apply_rotary(query, key, cos, sin)
+        rows = value.transpose(1, 2).reshape(value.shape[0], value.shape[2], -1)
+        bias = torch.exp(inner.A * nn.functional.softplus(inner.dt_proj(rows))).transpose(1, 2)  # [B, H_kv, T]
+        key = torch.cat((key, bias.unsqueeze(-1).to(key.dtype)), dim=-1)
+        query = torch.cat((query, query.new_full((*query.shape[:-1], 1), 1.0 / inner.scaling)), dim=-1)
+        out = self._attend(query, key, value, scaling=inner.scaling)
+        return inner.o_proj(out), None
+
+
+def _dense_when_cached(model: nn.Module) -> Callable[[], None]:
+    """BigBird's block-sparse pattern is bidirectional and writes no cache, so HF's BigBird
+    decoder switches itself to dense (``original_full``) attention on its first forward with
+    a cache, as every ``generate`` has. kvpage's forwards carry no HF cache, so the port makes
+    that switch up front; returns the undo."""
+    bert = model.bert
+    before = bert.attention_type
+    if before == "original_full":
+        return lambda: None
+    bert.set_attention_type("original_full")
+    return lambda: bert.set_attention_type(before)
+
+
 class _PortSpec(NamedTuple):
     """Where a family's attention modules sit: ``layers`` (a dotted path from the causal-LM
     class ``model_class``) holds the decoder layers, ``attention`` (dotted, from a layer) the
@@ -238,6 +293,13 @@ class _PortSpec(NamedTuple):
     port: type
     layers: str
     attention: str
+    #: Ported although the model can switch attention implementation: GIT's text attention
+    #: is inline beside a vision tower on the interface; Doge's mask carries a bias of its
+    #: own making.
+    despite_interface: bool = False
+    #: What else the family needs while kvpage owns the model: ``prepare(model)`` makes the
+    #: change and returns its undo.
+    prepare: Optional[Callable[[nn.Module], Callable[[], None]]] = None
 
 
 #: model_type -> where its attention modules sit and the port that replaces them.
@@ -252,9 +314,13 @@ PORTS: dict[str, _PortSpec] = {
     "rembert": _PortSpec("RemBertForCausalLM", BertSelfAttentionPort, "rembert.encoder.layer", "attention.self"),
     "megatron-bert": _PortSpec("MegatronBertForCausalLM", BertSelfAttentionPort, "bert.encoder.layer",
                                "attention.self"),
-    "big_bird": _PortSpec("BigBirdForCausalLM", BertSelfAttentionPort, "bert.encoder.layer", "attention.self"),
+    "big_bird": _PortSpec("BigBirdForCausalLM", BertSelfAttentionPort, "bert.encoder.layer", "attention.self",
+                          prepare=_dense_when_cached),
     "roformer": _PortSpec("RoFormerForCausalLM", RoFormerSelfAttentionPort, "roformer.encoder.layer",
                           "attention.self"),
+    "git": _PortSpec("GitForCausalLM", GitSelfAttentionPort, "git.encoder.layer", "attention.self",
+                     despite_interface=True),
+    "doge": _PortSpec("DogeForCausalLM", DogeAttentionPort, "model.layers", "self_attn", despite_interface=True),
     "openai-gpt": _PortSpec("OpenAIGPTLMHeadModel", OpenAIGPTAttentionPort, "transformer.h", "attn"),
     "bloom": _PortSpec("BloomForCausalLM", BloomAttentionPort, "transformer.h", "self_attention"),
     "mpt": _PortSpec("MptForCausalLM", MptAttentionPort, "transformer.blocks", "attn"),
@@ -264,6 +330,14 @@ PORTS: dict[str, _PortSpec] = {
 def has_port(model: nn.Module) -> bool:
     spec = PORTS.get(getattr(model.config, "model_type", None))
     return spec is not None and type(model).__name__ == spec.model_class
+
+
+def needs_port(model: nn.Module) -> bool:
+    """Whether kvpage serves ``model`` through its family's port: the model cannot switch
+    attention implementation (its attention is inline), or the family's spec says so."""
+    if not has_port(model):
+        return False
+    return not type(model)._can_set_attn_implementation() or PORTS[model.config.model_type].despite_interface
 
 
 def port_refusal(model: nn.Module) -> Optional[str]:
@@ -276,8 +350,10 @@ def port_refusal(model: nn.Module) -> Optional[str]:
         why = "cross-attention layers (kvpage serves decoder-only self-attention)"
     elif config.model_type == "mvp" and getattr(config, "use_prompt", False):
         why = "MVP's attention prompts (kvpage's attention has no prompt keys)"
-    elif config.model_type == "big_bird" and config.attention_type != "original_full":
-        why = "BigBird's block-sparse attention (kvpage serves dense attention)"
+    elif config.model_type == "big_bird" and config.attention_type != "original_full" and not config.is_decoder:
+        # As a decoder, HF's BigBird itself attends densely whenever it has a cache (see
+        # _dense_when_cached); only the bidirectional encoder uses the block-sparse pattern.
+        why = "BigBird's block-sparse attention outside a decoder (kvpage serves dense causal attention)"
     return None if why is None else f"its attention port does not serve this variant: {why}"
 
 
@@ -286,6 +362,7 @@ def install_ports(model: nn.Module) -> Callable[[], None]:
     returns the function that puts the originals back."""
     spec = PORTS[model.config.model_type]
     parent_path, _, attribute = spec.attention.rpartition(".")
+    undo_prepared = spec.prepare(model) if spec.prepare is not None else (lambda: None)
     swapped = []
     for layer, block in enumerate(operator.attrgetter(spec.layers)(model)):
         parent = operator.attrgetter(parent_path)(block) if parent_path else block
@@ -296,6 +373,7 @@ def install_ports(model: nn.Module) -> Callable[[], None]:
     def undo() -> None:
         for parent, attribute, original in swapped:
             setattr(parent, attribute, original)
+        undo_prepared()
 
     return undo
 
@@ -303,3 +381,20 @@ def install_ports(model: nn.Module) -> Callable[[], None]:
 def alibi_slopes_by_layer(model: nn.Module) -> dict:
     """``{layer: float32 slopes [heads]}`` of the installed ports that use ALiBi."""
     return {m.layer_idx: m.alibi_slopes for m in model.modules() if isinstance(m, _Port) and m.alibi_slopes is not None}
+
+
+def mask_alibi_slopes(model: nn.Module) -> dict:
+    """``{layer: float32 slopes [heads]}`` for a family that goes through the interface but
+    folds ALiBi into the attention mask it builds (Falcon's ALiBi variant, since its
+    attention moved onto the interface), else ``{}``. kvpage builds no mask, so the runner
+    hands these slopes to the attention backend as it does a port's; scaled as the model
+    scales its bias (by ``1/sqrt(head_dim)``, the scores' own scale)."""
+    config = model.config
+    if getattr(config, "model_type", None) != "falcon" or not config.alibi or not has_port(model) \
+            or not type(model)._can_set_attn_implementation():
+        return {}
+    slopes = {}
+    for layer, block in enumerate(operator.attrgetter(PORTS["falcon"].layers)(model)):
+        attention = block.self_attention
+        slopes[layer] = _bloom_slopes(attention, attention.num_heads) * attention.inv_norm_factor
+    return slopes

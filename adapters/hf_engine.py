@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 
@@ -233,19 +233,34 @@ def stateful_config(runner: HFModelRunner, config: EngineConfig) -> EngineConfig
     return dataclasses.replace(config, **changes) if changes else config
 
 
-def tuned_positions_limit(model: torch.nn.Module) -> Optional[int]:
-    """Tokens up to which a model with attention temperature tuning (Llama 4's NoPE layers
-    scale queries by ``log1p(floor((p + 1) / floor_scale))``) runs exactly, else None.
+class ExactLengthLimit(NamedTuple):
+    tokens: int
+    why: str  # a sentence ending in the limit
+    bounds_steps: bool  # a step's rows count too, not only a sequence's length
 
-    Those layers number positions from their own cache length, not ``position_ids``; in a
-    kvpage step that is the row index. Below ``floor_scale - 1`` both give a scale of 1."""
+
+def exact_length_limit(model: torch.nn.Module) -> Optional[ExactLengthLimit]:
+    """The tokens up to which kvpage runs this model exactly, and why, or None when its
+    length is not limited so.
+
+    - Attention temperature tuning (Llama 4's NoPE layers scale queries by
+      ``log1p(floor((p + 1) / floor_scale))``): those layers number positions from their own
+      cache length, not ``position_ids``; in a kvpage step that is the row index. Below
+      ``floor_scale - 1`` both give a scale of 1.
+    - Doge's dynamic mask keeps only the ``keep_window_size`` keys of highest bias once a
+      sequence is longer than that (its port carries the bias, densely)."""
     config = model.config.get_text_config()
     floor_scale = getattr(config, "floor_scale", None)
-    if not getattr(config, "attn_temperature_tuning", False) or not floor_scale:
-        return None
-    if all(getattr(config, "no_rope_layers", None) or [True]):  # every layer rotary: nothing is tuned
-        return None
-    return int(floor_scale) - 1
+    if getattr(config, "attn_temperature_tuning", False) and floor_scale \
+            and not all(getattr(config, "no_rope_layers", None) or [True]):  # all rotary: nothing is tuned
+        tokens = int(floor_scale) - 1
+        return ExactLengthLimit(tokens, "this model's attention temperature tuning counts positions itself; kvpage "
+                                f"serves it exactly up to {tokens} tokens (floor_scale - 1)", True)
+    if getattr(config, "model_type", None) == "doge" and getattr(config, "keep_window_size", None):
+        tokens = int(config.keep_window_size)
+        return ExactLengthLimit(tokens, "Doge's dynamic mask keeps only the keep_window_size keys of highest bias "
+                                f"in longer sequences; kvpage serves it exactly up to {tokens} tokens", False)
+    return None
 
 
 def _assemble(runner: HFModelRunner, model: torch.nn.Module, tokenizer: Any, config: EngineConfig) -> LLMEngine:
@@ -253,16 +268,16 @@ def _assemble(runner: HFModelRunner, model: torch.nn.Module, tokenizer: Any, con
     max_model_len = config.max_model_len or limit
     if max_model_len > limit:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's {limit} positions")
-    tuned = tuned_positions_limit(model)
-    if tuned is not None:
-        if config.max_model_len is None and max_model_len > tuned:
-            log.info("max_model_len %d -> %d: attention temperature tuning is exact below floor_scale", max_model_len,
-                     tuned)
-            max_model_len = tuned
-        if max_model_len > tuned or config.step_token_budget(max_model_len) > tuned:
-            raise ValueError(f"this model's attention temperature tuning counts positions itself; kvpage serves it "
-                             f"exactly up to {tuned} tokens (floor_scale - 1): set max_model_len and "
-                             f"max_num_batched_tokens to at most {tuned}")
+    limit_of_exactness = exact_length_limit(model)
+    if limit_of_exactness is not None:
+        tokens, why, bounds_steps = limit_of_exactness
+        if config.max_model_len is None and max_model_len > tokens:
+            log.info("max_model_len %d -> %d: %s", max_model_len, tokens, why)
+            max_model_len = tokens
+        if max_model_len > tokens:
+            raise ValueError(f"{why}: set max_model_len to at most {tokens}")
+        if bounds_steps and config.step_token_budget(max_model_len) > tokens:
+            raise ValueError(f"{why}: set max_model_len and max_num_batched_tokens to at most {tokens}")
     config = stateful_config(runner, config)
     num_state_slots = config.max_num_seqs if runner.state_layout else 0
     if num_state_slots:  # before the KV is sized, so that a GPU profile counts the slots as used memory
@@ -282,12 +297,8 @@ def _assemble(runner: HFModelRunner, model: torch.nn.Module, tokenizer: Any, con
     storage = "cupy" if runner.device.type == "cuda" else "torch"
     runner.bind(PagedKVCache(spec, cache_config.num_blocks, backend=storage, groups=groups), backend)
     if not config.enforce_eager:
-        if runner.state_layout:
-            log.info("compilation off: a model with recurrent layers runs eager (several forwards per step, "
-                     "a cache object per forward)")
-        elif runner.sparse_indexers:
-            log.info("compilation off: a model with DeepSeek sparse attention runs eager (its indexers run per "
-                     "sequence)")
+        if runner.eager_reason is not None:
+            log.info("compilation off: %s", runner.eager_reason)
         else:
             runner.compile()
     eos = eos_token_ids(model, tokenizer)

@@ -22,7 +22,7 @@ from kvpage.core.kv_groups import KVCacheGroups
 from kvpage.core.metadata import StepMetadata
 from kvpage.kv_storage import LayerKVSpec, PagedKVCache
 
-from .attention_ports import alibi_slopes_by_layer, has_port, install_ports, port_refusal
+from .attention_ports import alibi_slopes_by_layer, install_ports, mask_alibi_slopes, needs_port, port_refusal
 from .compiled_forward import CompiledForward
 from .layer_kinds import attention_modules_of_layer, unsupported_layer_reason
 from .onednn_linear import use_onednn_linears
@@ -62,14 +62,13 @@ def check_supported(model: torch.nn.Module) -> list[StateEntry]:
                                         f"{type(exc).__name__}: {exc})") from exc
         if not layout:
             raise UnsupportedModelError(f"{name}: {recurrent_reason}")
-    if not type(model)._can_set_attn_implementation() and not text_decoder_switchable(model):
-        if not has_port(model):
-            raise UnsupportedModelError(
-                f"{name}'s attention does not go through transformers' AttentionInterface, so kvpage cannot page "
-                "its KV")
+    if needs_port(model):
         refusal = port_refusal(model)
         if refusal is not None:
             raise UnsupportedModelError(f"{name}: {refusal}")
+    elif not type(model)._can_set_attn_implementation() and not text_decoder_switchable(model):
+        raise UnsupportedModelError(
+            f"{name}'s attention does not go through transformers' AttentionInterface, so kvpage cannot page its KV")
     return layout
 
 
@@ -104,8 +103,8 @@ class HFModelRunner:
         # switch; a composite model whose text decoder alone follows the interface gets
         # the switch for its text config only.
         switchable = type(model)._can_set_attn_implementation()
-        self._text_only = not switchable and text_decoder_switchable(model)
-        self._ported = not switchable and not self._text_only
+        self._ported = needs_port(model)
+        self._text_only = not switchable and not self._ported and text_decoder_switchable(model)
         self._undo_ports = install_ports(model) if self._ported else (lambda: None)
         # DSA models: each indexer becomes one more paged site of its layer (sparse_indexer).
         self.sparse_indexers = has_indexers(model)
@@ -113,6 +112,10 @@ class HFModelRunner:
             raise UnsupportedModelError(f"{type(model).__name__}: kvpage serves DeepSeek sparse attention (DSA "
                                         "indexers) on CPU only; its CUDA kernels attend densely")
         self._undo_indexers = install_indexer_ports(model) if self.sparse_indexers else (lambda: None)
+        # An interface family that folds ALiBi into its mask: kvpage adds the slopes itself,
+        # and hands the model a placeholder mask to fold them into (then ignores the result).
+        self._mask_alibi = {} if self._ported else mask_alibi_slopes(model)
+        self._mask_placeholder = self.sparse_indexers or bool(self._mask_alibi)
         if self._text_only:
             self.original_attn_implementation = {"text_config": model.config.text_config._attn_implementation}
             model.set_attn_implementation({"text_config": ATTN_IMPLEMENTATION})
@@ -178,7 +181,8 @@ class HFModelRunner:
                 f"{name}: an attention call of layer {layer} attends over {rows} rows for {probe.num_real_tokens} "
                 "tokens (across something other than the sequence); kvpage pages attention over a sequence's "
                 "tokens only")
-        if probe.layers_with_masks:
+        # (A family folding ALiBi into its mask hands attention that fold; kvpage adds the slopes.)
+        if probe.layers_with_masks and not self._mask_alibi:
             layer = min(probe.layers_with_masks)
             raise UnsupportedModelError(
                 f"{name}: layer {layer} hands attention a mask or bias of its own making; kvpage derives causal and "
@@ -220,7 +224,7 @@ class HFModelRunner:
         ``first_position``, attention stubbed out (layouts, memory, compilation); through
         ``forward`` if given, else the eager model."""
         probe = ProbeContext(num_real_tokens=num_tokens, track_sharing=track_sharing, record_query=record_query,
-                             mask_placeholder=self.sparse_indexers)
+                             mask_placeholder=self._mask_placeholder)
         ids = torch.full((num_tokens,), token, dtype=torch.long, device=self.device)
         positions = torch.arange(first_position, first_position + num_tokens, device=self.device)
         rows = torch.tensor([num_tokens - 1], device=self.device)
@@ -234,10 +238,9 @@ class HFModelRunner:
 
     def compile(self) -> float:
         """Run every later step through ``torch.compile``; compiles now. Returns the seconds taken.
-        A model with recurrent layers stays eager (its steps are several forwards of varying
-        batch shape, with a cache object built per forward), as does a DSA model (its
-        indexers run per sequence); for those this returns 0."""
-        if self.state_layout or self.sparse_indexers:
+        A model with an ``eager_reason`` (recurrent layers, DSA indexers, ALiBi folded into
+        its mask) stays eager, and this returns 0."""
+        if self.eager_reason is not None:
             return 0.0
         self.compiled = CompiledForward(self.model, self._takes_logits_to_keep)
         return self.compiled.warm_up(lambda forward, n: self.probe_forward(n, forward))
@@ -254,7 +257,7 @@ class HFModelRunner:
         self.reading_only = frozenset(i for i, layer in enumerate(kv_cache.spec.layers) if layer.reuses is not None)
         chunks = [layer.attention_chunk for layer in kv_cache.spec.layers]
         self.site_chunks = chunks if any(chunks) else None
-        slopes = alibi_slopes_by_layer(self.model) if self._ported else {}
+        slopes = alibi_slopes_by_layer(self.model) if self._ported else self._mask_alibi
         self.site_alibi = [slopes.get(layer) for layer in self.site_layers] if slopes else None
         groups: Optional[KVCacheGroups] = kv_cache.groups
         self.site_group = None if groups is None else \
@@ -263,8 +266,21 @@ class HFModelRunner:
 
     @property
     def uses_alibi(self) -> bool:
-        """Whether some attention site adds ALiBi position biases (a ported ALiBi family)."""
-        return self._ported and bool(alibi_slopes_by_layer(self.model))
+        """Whether some attention site adds ALiBi position biases (an ALiBi family, ported or
+        folding them into its mask)."""
+        return bool(self._mask_alibi) or (self._ported and bool(alibi_slopes_by_layer(self.model)))
+
+    @property
+    def eager_reason(self) -> Optional[str]:
+        """Why this model's steps run eager whatever the settings, or None when they compile."""
+        if self.state_layout:
+            return "a model with recurrent layers runs eager (several forwards per step, a cache object per forward)"
+        if self.sparse_indexers:
+            return "a model with DeepSeek sparse attention runs eager (its indexers run per sequence)"
+        if self._mask_alibi:
+            return ("a model that folds ALiBi into its attention mask runs eager (the compiled graph builds no "
+                    "mask to fold it into)")
+        return None
 
     def allocate_state_slots(self, num_slots: int) -> int:
         """Allocate ``num_slots`` slots of every recurrent state (nothing for an
@@ -305,7 +321,7 @@ class HFModelRunner:
                                    num_real_tokens=metadata.num_tokens, reading_only=self.reading_only,
                                    first_site=self.first_site, site_prepared=site_prepared,
                                    site_chunks=self.site_chunks, site_alibi=self.site_alibi, metadata=metadata,
-                                   mask_placeholder=self.sparse_indexers)
+                                   mask_placeholder=self._mask_placeholder)
 
     def _execute_stateful(self, metadata: StepMetadata) -> torch.Tensor:
         """The step as one forward ``[n, L]`` per group of sequences sharing a query length

@@ -23,9 +23,7 @@ CASES = {
     # keys chosen among compressed ones by an indexer with a cache of its own (plain DSA
     # indexers are served: test_sparse_indexer)
     "deepseek_v4": (tf.DeepseekV4Config, tf.DeepseekV4ForCausalLM, "'heavily_compressed_attention'"),
-    # attention mask/bias of the model's own making
-    "doge": (tf.DogeConfig, tf.DogeForCausalLM, "mask or bias of its own making"),
-    # a learned relative-position bias handed to attention
+    # a learned relative-position bias handed to attention (Doge's key bias is ported: attention_ports)
     "inkling_text": (tf.InklingTextConfig, tf.InklingForCausalLM, "mask or bias of its own making"),
     # attention outside the interface, with no port (attention_ports)
     "xlnet": (tf.XLNetConfig, tf.XLNetLMHeadModel, "AttentionInterface"),

@@ -71,11 +71,13 @@ _FIXED = {  # name -> small value, for positive int defaults
 _AT_MOST = {"n_shared_experts": 1, "num_shared_experts": 1, "moe_num_shared_experts": 1, "first_k_dense_replace": 1}
 _WHEN_NONE = {"head_dim": HEAD_DIM, "num_experts_per_tok": 2, "n_routed_experts": 4, "n_shared_experts": 1,
               "num_key_value_heads": HEADS}  # None defaults that the models cannot run with
+# Doge's keep_window_size is the length up to which its dynamic mask is dense (beyond it a
+# top-k over key biases, which kvpage does not serve): it shrinks with the positions, as in
+# Doge's own configs, so the census runs the dense mask kvpage serves.
 _POSITIONS = {"max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "seq_length", "max_sequence_length",
-              "model_max_length", "max_window_layers", "max_target_positions"}
+              "model_max_length", "max_window_layers", "max_target_positions", "keep_window_size"}
 _WINDOWS = {"sliding_window", "attention_chunk_size", "window_size", "local_attention_window", "attention_window",
-            "local_attention_window_len", "keep_window_size", "swa_window", "sliding_window_size",
-            "attention_window_size"}
+            "local_attention_window_len", "swa_window", "sliding_window_size", "attention_window_size"}
 _INIT = {"initializer_range", "init_std"}
 _SPECIAL_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 _PATTERNS = ("layer_types", "layers_block_type", "block_types")
