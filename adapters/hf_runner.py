@@ -24,11 +24,11 @@ from kvpage.kv_storage import LayerKVSpec, PagedKVCache
 
 from .attention_ports import alibi_slopes_by_layer, install_ports, mask_alibi_slopes, needs_port, port_refusal
 from .compiled_forward import CompiledForward
-from .layer_kinds import attention_modules_of_layer, unsupported_layer_reason
+from .layer_kinds import attention_modules, attention_modules_of_layer, unsupported_layer_reason
 from .onednn_linear import use_onednn_linears
 from .position_relay import relay_position_ids
-from .recurrent_state import (RecurrentStateSlots, StateEntry, cache_argument, chunked_prefill_is_exact,
-                              probe_state_layout)
+from .recurrent_state import (RecurrentStateSlots, StateEntry, chunked_prefill_is_exact, probe_state_layout,
+                              state_argument)
 from .hf_attention import (ATTN_IMPLEMENTATION, AttentionBackend, PagedForwardContext, ProbeContext, paged_step,
                            register_kvpage_attention)
 from .sparse_indexer import has_indexers, install_indexer_ports
@@ -66,7 +66,8 @@ def check_supported(model: torch.nn.Module) -> list[StateEntry]:
         refusal = port_refusal(model)
         if refusal is not None:
             raise UnsupportedModelError(f"{name}: {refusal}")
-    elif not type(model)._can_set_attn_implementation() and not text_decoder_switchable(model):
+    elif not type(model)._can_set_attn_implementation() and not text_decoder_switchable(model) \
+            and not (layout and not attention_modules(model)):  # RWKV: state alone, nothing to switch
         raise UnsupportedModelError(
             f"{name}'s attention does not go through transformers' AttentionInterface, so kvpage cannot page its KV")
     return layout
@@ -93,7 +94,7 @@ class HFModelRunner:
         self.state_layout = check_supported(model)
         # Whether a prompt may be fed in chunks: the model's prefill resumes from stored state.
         self.chunks_resume_state = not self.state_layout or chunked_prefill_is_exact(model)
-        self.cache_argument = cache_argument(model) if self.state_layout else None
+        self.state_argument = state_argument(model) if self.state_layout else None
         self.state_slots: Optional[RecurrentStateSlots] = None  # set by allocate_state_slots()
         self.model = model
         self.device = next(model.parameters()).device
@@ -119,8 +120,9 @@ class HFModelRunner:
         if self._text_only:
             self.original_attn_implementation = {"text_config": model.config.text_config._attn_implementation}
             model.set_attn_implementation({"text_config": ATTN_IMPLEMENTATION})
-        elif not self._ported:
+        elif not self._ported and switchable:
             model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        self._switched = not self._ported and (switchable or self._text_only)
         self._undo_linears = use_onednn_linears(model) if onednn_linears else (lambda: None)
         self._undo_position_relay: Callable[[], None] = lambda: None
         self.num_layers = int(model.config.get_text_config().num_hidden_layers)
@@ -337,13 +339,16 @@ class HFModelRunner:
         logits: Optional[torch.Tensor] = None
         keys = query_lens * 2 + resumes
         for key in np.unique(keys).tolist():
-            part, rows = metadata.select(np.flatnonzero(keys == key))
-            # The step's rows whose logits are wanted, and where they sit in this part.
-            picked = np.flatnonzero(np.isin(wanted, rows))
-            part_logits = self._stateful_forward(part, bool(key % 2), np.searchsorted(rows, wanted[picked]))
-            if logits is None:
-                logits = part_logits.new_empty((len(wanted), part_logits.shape[-1]))
-            logits[torch.as_tensor(picked, device=logits.device)] = part_logits
+            group = np.flatnonzero(keys == key)
+            limit = slots.carrier.batch_limit(int(key // 2)) or len(group)
+            for start in range(0, len(group), limit):
+                part, rows = metadata.select(group[start:start + limit])
+                # The step's rows whose logits are wanted, and where they sit in this part.
+                picked = np.flatnonzero(np.isin(wanted, rows))
+                part_logits = self._stateful_forward(part, bool(key % 2), np.searchsorted(rows, wanted[picked]))
+                if logits is None:
+                    logits = part_logits.new_empty((len(wanted), part_logits.shape[-1]))
+                logits[torch.as_tensor(picked, device=logits.device)] = part_logits
         return logits.float()
 
     def _stateful_forward(self, part: StepMetadata, resume: bool, logit_rows: np.ndarray) -> torch.Tensor:
@@ -363,7 +368,7 @@ class HFModelRunner:
             kwargs["logits_to_keep"] = torch.as_tensor(offsets, device=device)
         with paged_step(context):
             out = self.model(input_ids=ids, position_ids=positions, use_cache=True, kvpage_context=context,
-                             **{self.cache_argument: cache}, **kwargs)
+                             **{self.state_argument: cache}, **kwargs)
         if context.layers_called != len(self.layer_specs):
             raise RuntimeError(f"{len(self.layer_specs) - context.layers_called} attention calls bypassed kvpage "
                                "attention")
@@ -386,7 +391,7 @@ class HFModelRunner:
         self._undo_ports = lambda: None
         self._undo_indexers()
         self._undo_indexers = lambda: None
-        if not self._ported:
+        if self._switched:
             self.model.set_attn_implementation(self.original_attn_implementation)
         self._undo_linears()
         self._undo_position_relay()

@@ -2,9 +2,10 @@
 
 kvpage pages attention K/V. A layer that carries recurrent state from token to token
 (Mamba and other state-space mixers, gated delta nets, linear attention, short
-convolutions, RWKV, xLSTM, RG-LRU) is served when the model keeps that state in
-transformers' ``Cache`` (``recurrent_state`` slots it per request); this module names
-the recurrent layers so that the runner can look. A layer that picks its keys through an
+convolutions, RWKV, xLSTM, RG-LRU) is served when the model's forward carries that state
+in and out (transformers' ``Cache``, or a family carrier: ``state_carriers``), which
+``recurrent_state`` slots per request; this module names the recurrent layers so that
+the runner can look. A layer that picks its keys through an
 indexer (DeepSeek's sparse attention, ``indexed_attention``) is served where the indexer
 is a module kvpage can port (``sparse_indexer`` pages its keys); compressed variants
 (DeepSeek-V4's) keep state kvpage does not, so such a model is refused, with the layer
@@ -76,8 +77,15 @@ def _recurrent_reason(model: torch.nn.Module, index: Optional[int], kind: Option
         detail.append(f"layer_types says '{kind}'")
     return (f"layer type '{layer_type}' keeps recurrent state"
             + (f" ({', '.join(detail)})" if detail else "")
-            + " outside transformers' Cache; kvpage keeps recurrent state only where the model stores it in "
-              "the Cache's conv and recurrent states")
+            + " outside transformers' Cache; kvpage keeps recurrent state only where the model's forward "
+              "carries it in and out (the Cache's conv and recurrent states, MiniMax's cache, RWKV's state list)")
+
+
+def attention_modules(model: torch.nn.Module) -> list[str]:
+    """Class names of all of ``model``'s attention modules (recurrent mixers named like
+    attention left out); empty for a model of recurrent layers alone (RWKV)."""
+    return [type(m).__name__ for m in model.modules()
+            if "Attention" in type(m).__name__ and not _STATE_CLASS.search(type(m).__name__)]
 
 
 def attention_modules_of_layer(model: torch.nn.Module, layer: int) -> list[str]:

@@ -1,9 +1,11 @@
 """Models with recurrent layers (state-space mixers, gated delta nets) run exactly on state slots.
 
-Three tiny families: Mamba (recurrent layers only, no KV at all; its prefill starts from a
+Five tiny families: Mamba (recurrent layers only, no KV at all; its prefill starts from a
 zero state, so the engine turns chunked prefill off), Jamba (Mamba layers beside an
-attention layer) and Qwen3-Next (a gated delta net beside full attention; its prefill
-resumes from a stored state, so chunks stay on). Greedy output equals HF ``generate``
+attention layer), Qwen3-Next (a gated delta net beside full attention; its prefill
+resumes from a stored state, so chunks stay on), MiniMax (lightning attention, its state
+in MiniMax's own cache class) and RWKV (no attention; its state in the list its forward
+takes and returns). Greedy output equals HF ``generate``
 token for token under batching, chunking, preemption and parallel-sample forks.
 """
 from __future__ import annotations
@@ -86,19 +88,19 @@ def test_forked_samples_copy_the_parents_state(family_model):
 
 def test_engine_settings_follow_the_model(family_model, caplog):
     """Prefix caching is off for every recurrent model; chunked prefill only where the
-    model's prefill resumes from a stored state (Qwen3-Next), and a model with no
-    attention layers holds no KV memory."""
+    model's prefill resumes from a stored state (all but Mamba and Jamba, whose Mamba
+    prefill starts from zeros), and a model with no attention layers holds no KV memory."""
     family, model = family_model
     with caplog.at_level(logging.INFO, logger="kvpage"):
         _, stats, engine = _generate(model, _prompts(3, (9, 9)), block_size=4, num_kv_blocks=32)
     scheduler = engine.scheduler
     assert scheduler.prefix_cache is None and stats["prefix_cache_hits"] == 0
-    assert scheduler.config.enable_chunked_prefill == (family == "qwen3_next")
+    assert scheduler.config.enable_chunked_prefill == (family in ("qwen3_next", "minimax", "rwkv"))
     assert "prefix caching off" in caplog.text
     assert scheduler.state_slots.num_slots == scheduler.config.max_num_seqs
     runner = engine.runner
     assert runner.state_slots.nbytes > 0
-    if family == "mamba":
+    if family in ("mamba", "rwkv"):
         assert runner.layer_specs == [] and runner.kv_cache.nbytes == 0
 
 

@@ -15,11 +15,10 @@ from kvpage.adapters.hf_runner import UnsupportedModelError  # noqa: E402
 from kvpage.census.tiny_config import tiny_config  # noqa: E402
 
 CASES = {
-    # recurrent state outside transformers' Cache (kvpage slots the Cache's states only):
-    # named by the layer type the module implements
-    "recurrent_gemma": (tf.RecurrentGemmaConfig, tf.RecurrentGemmaForCausalLM, "layer type 'rg_lru'"),
-    "rwkv": (tf.RwkvConfig, tf.RwkvForCausalLM, "layer type 'rwkv' keeps recurrent state .* outside transformers' Cache"),
-    "minimax": (tf.MiniMaxConfig, tf.MiniMaxForCausalLM, "'lightning_attention' keeps recurrent state"),
+    # recurrent state in module buffers, not carried by the forward (MiniMax's cache and
+    # RWKV's state list are: state_carriers), named by the layer type the module implements
+    "recurrent_gemma": (tf.RecurrentGemmaConfig, tf.RecurrentGemmaForCausalLM,
+                        "layer type 'rg_lru' keeps recurrent state .* outside transformers' Cache"),
     # keys chosen among compressed ones by an indexer with a cache of its own (plain DSA
     # indexers are served: test_sparse_indexer)
     "deepseek_v4": (tf.DeepseekV4Config, tf.DeepseekV4ForCausalLM, "'heavily_compressed_attention'"),

@@ -99,6 +99,10 @@ def _configs() -> dict:
                                                  linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2,
                                                  moe_intermediate_size=32, shared_expert_intermediate_size=32,
                                                  layer_types=["linear_attention", "full_attention"]),
+        # State outside transformers' cache layers (adapters/state_carriers): MiniMax's own
+        # cache class beside full attention; RWKV's state list, no attention at all.
+        "minimax": lambda: _census_tiny(tf.MiniMaxConfig),
+        "rwkv": lambda: _census_tiny(tf.RwkvConfig),
     }
 
 
@@ -106,7 +110,7 @@ FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "ge
 EXTENDED_FAMILIES = ["gpt_oss", "gpt_bigcode", "gptj", "codegen", "starcoder2", "phi", "mixtral", "olmo2", "cohere",
                      "granite", "smollm3", "stablelm", "nemotron", "deepseek_v3", "minicpm3", "gemma3n_text",
                      "diffllama", "bart", "pegasus"]
-RECURRENT_FAMILIES = ["mamba", "jamba", "qwen3_next"]
+RECURRENT_FAMILIES = ["mamba", "jamba", "qwen3_next", "minimax", "rwkv"]
 UNSUPPORTED_FAMILIES = ["xlnet"]
 
 
@@ -115,7 +119,7 @@ def tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32):
     from transformers import AutoModelForCausalLM
 
     config = _configs()[family]()
-    if family not in UNSUPPORTED_FAMILIES and family != "mamba":
+    if family not in UNSUPPORTED_FAMILIES and family not in ("mamba", "rwkv"):
         config._attn_implementation = "eager" if family in ("gemma2", "gpt_oss") else "sdpa"
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)

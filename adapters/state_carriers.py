@@ -1,0 +1,202 @@
+"""Where a model's forward takes its recurrent state from and leaves it: a *carrier*.
+
+``recurrent_state`` keeps each request's recurrent state in slot tensors and, for each
+forward, hands the model a carrier holding the batch's rows, then reads the rows back. Most
+families carry state in transformers' ``DynamicCache`` (its linear-attention layers' conv
+and recurrent states); two keep it elsewhere:
+
+- MiniMax's lightning attention: its own ``MiniMaxCache`` (which its forward insists on),
+  one ``[batch, heads, head_dim, head_dim]`` tensor per linear layer in ``linear_cache``.
+- RWKV: the ``state`` list its forward takes and returns, five ``[batch, hidden, layers]``
+  tensors (the token-shift inputs of attention and feed-forward, then the WKV numerator,
+  denominator and running maximum).
+
+A carrier knows the forward keyword it goes under (``argument``), how to make a fresh one
+for a batch (what the model's own first forward would start from), and how to put one
+state's rows in (``load``) and read them out (``read``); ``probe`` lists the states, found
+by running the model once where the family's layout is not fixed by its config;
+``batch_limit`` caps how many sequences one forward of a query length may hold.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+#: Forward keyword under which a model takes its transformers cache (transformers renamed it).
+_CACHE_ARGUMENTS = ("cache", "past_key_values")
+
+
+@dataclass(frozen=True)
+class StateEntry:
+    """One state tensor of one layer: ``kind`` ("conv" or "recurrent" in a transformers
+    cache layer, "linear_cache" for MiniMax, "rwkv" for RWKV), the layer's state number
+    ``index``, its per-sequence ``shape`` and ``dtype``; a convolution window's
+    ``kernel_size``; ``marks_previous``: whether the layer's forward marks the state as
+    present (``has_previous_state``), which a resumed cache must then say too."""
+
+    layer: int
+    kind: str
+    index: int
+    shape: tuple
+    dtype: torch.dtype
+    kernel_size: Optional[int] = None
+    marks_previous: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape)) * torch.empty((), dtype=self.dtype).element_size()
+
+
+def cache_argument(model: torch.nn.Module) -> Optional[str]:
+    """The name of ``model.forward``'s transformers-cache argument, or None if it takes none."""
+    parameters = inspect.signature(model.forward).parameters
+    return next((name for name in _CACHE_ARGUMENTS if name in parameters), None)
+
+
+class CacheCarrier:
+    """State in transformers' ``DynamicCache``: its ``LinearAttentionCacheLayerMixin`` layers."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.argument = cache_argument(model)
+
+    def batch_limit(self, query_len: int) -> Optional[int]:
+        return None
+
+    def new(self, batch: int, device: torch.device) -> Any:
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.model.config)
+
+    def probe(self, carrier: Any) -> list[StateEntry]:
+        entries = []
+        for index, layer in _linear_layers(carrier).items():
+            for kind in ("conv", "recurrent"):
+                for state, tensor in _states(layer, kind).items():
+                    if tensor is None or not _initialized(layer, kind)[state]:
+                        continue
+                    entries.append(StateEntry(index, kind, state, tuple(tensor.shape[1:]), tensor.dtype,
+                                              layer.conv_kernel_size[state] if kind == "conv" else None,
+                                              bool(layer.has_previous_state[state])))
+        return entries
+
+    def has_state_layers(self, carrier: Any) -> bool:
+        return bool(_linear_layers(carrier))
+
+    def load(self, carrier: Any, entry: StateEntry, rows: torch.Tensor) -> None:
+        layer = carrier.layers[entry.layer]
+        _states(layer, entry.kind)[entry.index] = rows
+        _initialized(layer, entry.kind)[entry.index] = True
+        if entry.kind == "conv":
+            layer.conv_kernel_size[entry.index] = entry.kernel_size
+        if entry.marks_previous:
+            layer.has_previous_state[entry.index] = True
+        layer.device, layer.dtype = rows.device, rows.dtype
+
+    def read(self, carrier: Any, entry: StateEntry) -> Optional[torch.Tensor]:
+        return _states(carrier.layers[entry.layer], entry.kind)[entry.index]
+
+
+class MiniMaxCarrier:
+    """MiniMax's ``MiniMaxCache``: a ``DynamicCache`` (its attention layers) plus
+    ``linear_cache``, one K^T V state per lightning-attention layer."""
+
+    argument = "cache"
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.cache_class = _modeling_module(model).MiniMaxCache
+
+    def batch_limit(self, query_len: int) -> Optional[int]:
+        return None
+
+    def new(self, batch: int, device: torch.device) -> Any:
+        return self.cache_class()
+
+    def has_state_layers(self, carrier: Any) -> bool:
+        return True
+
+    def probe(self, carrier: Any) -> list[StateEntry]:
+        return [StateEntry(layer, "linear_cache", 0, tuple(state.shape[1:]), state.dtype)
+                for layer, state in enumerate(carrier.linear_cache) if isinstance(state, torch.Tensor)]
+
+    def load(self, carrier: Any, entry: StateEntry, rows: torch.Tensor) -> None:
+        carrier.set_linear_cache(entry.layer, rows)
+
+    def read(self, carrier: Any, entry: StateEntry) -> Optional[torch.Tensor]:
+        state = carrier.get_linear_cache(entry.layer)
+        return state if isinstance(state, torch.Tensor) else None
+
+
+class RwkvCarrier:
+    """RWKV's ``state`` list: five ``[batch, hidden, layers]`` tensors; a fresh one is what
+    ``RwkvModel`` starts from (zeros; the running maximum at -1e30; the two token-shift
+    inputs in the model's dtype, the WKV sums in float32)."""
+
+    argument = "state"
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        config = model.config
+        self.hidden, self.layers = int(config.hidden_size), int(config.num_hidden_layers)
+        self.dtype = model.get_input_embeddings().weight.dtype
+
+    def batch_limit(self, query_len: int) -> Optional[int]:
+        # RWKV's one-token path mixes a [batch, hidden] shift state into [batch, 1, hidden]
+        # inputs, which broadcasts across the batch when it holds more than one sequence
+        # (HF's own batched decoding is affected): one sequence per one-token forward.
+        return 1 if query_len == 1 else None
+
+    def _dtype(self, index: int) -> torch.dtype:
+        return self.dtype if index <= 1 else torch.float32
+
+    def new(self, batch: int, device: torch.device) -> Any:
+        state = [torch.zeros((batch, self.hidden, self.layers), dtype=self._dtype(i), device=device)
+                 for i in range(5)]
+        state[4] -= 1e30
+        return state
+
+    def has_state_layers(self, carrier: Any) -> bool:
+        return True
+
+    def probe(self, carrier: Any) -> list[StateEntry]:
+        return [StateEntry(layer, "rwkv", i, (self.hidden,), self._dtype(i))
+                for layer in range(self.layers) for i in range(5)]
+
+    def load(self, carrier: Any, entry: StateEntry, rows: torch.Tensor) -> None:
+        carrier[entry.index][:, :, entry.layer] = rows
+
+    def read(self, carrier: Any, entry: StateEntry) -> Optional[torch.Tensor]:
+        return carrier[entry.index][:, :, entry.layer]
+
+
+#: model_type -> the carrier of a family that keeps its state outside transformers' cache layers.
+_FAMILY_CARRIERS = {"minimax": MiniMaxCarrier, "rwkv": RwkvCarrier}
+
+
+def carrier_of(model: torch.nn.Module):
+    """The carrier for ``model``'s recurrent state."""
+    family = _FAMILY_CARRIERS.get(getattr(model.config, "model_type", None))
+    return family(model) if family is not None else CacheCarrier(model)
+
+
+def _modeling_module(model: torch.nn.Module):
+    import sys
+
+    return sys.modules[type(model).__module__]
+
+
+def _linear_layers(cache) -> dict:
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+    return {i: layer for i, layer in enumerate(cache.layers) if isinstance(layer, LinearAttentionCacheLayerMixin)}
+
+
+def _states(layer, kind: str) -> dict:
+    return layer.conv_states if kind == "conv" else layer.recurrent_states
+
+
+def _initialized(layer, kind: str) -> dict:
+    return layer.is_conv_states_initialized if kind == "conv" else layer.is_recurrent_states_initialized
