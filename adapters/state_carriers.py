@@ -10,6 +10,10 @@ and recurrent states); two keep it elsewhere:
 - RWKV: the ``state`` list its forward takes and returns, five ``[batch, hidden, layers]``
   tensors (the token-shift inputs of attention and feed-forward, then the WKV numerator,
   denominator and running maximum).
+- RecurrentGemma: attributes of its recurrent blocks (``conv1d_state``, the RG-LRU's
+  ``recurrent_states``), which its forward reads and replaces whenever it is handed a
+  cache; the carrier sets them before the forward and reads them after (one forward runs
+  at a time, and the runner owns the model meanwhile).
 
 A carrier knows the forward keyword it goes under (``argument``), how to make a fresh one
 for a batch (what the model's own first forward would start from), and how to put one
@@ -33,7 +37,8 @@ _CACHE_ARGUMENTS = ("cache", "past_key_values")
 @dataclass(frozen=True)
 class StateEntry:
     """One state tensor of one layer: ``kind`` ("conv" or "recurrent" in a transformers
-    cache layer, "linear_cache" for MiniMax, "rwkv" for RWKV), the layer's state number
+    cache layer, "linear_cache" for MiniMax, "rwkv" for RWKV, "rg_lru" for RecurrentGemma),
+    the layer's state number
     ``index``, its per-sequence ``shape`` and ``dtype``; a convolution window's
     ``kernel_size``; ``marks_previous``: whether the layer's forward marks the state as
     present (``has_previous_state``), which a resumed cache must then say too."""
@@ -172,8 +177,56 @@ class RwkvCarrier:
         return carrier[entry.index][:, :, entry.layer]
 
 
+class RecurrentGemmaCarrier:
+    """RecurrentGemma's recurrent blocks keep their state on themselves: the convolution
+    window ``conv1d_state`` ``[batch, hidden, width - 1]`` (the model's dtype) and the RG-LRU's
+    ``recurrent_states`` ``[batch, lru_width]`` (float32). The forward gets a fresh
+    ``DynamicCache`` (for its attention layers, and so that it does not reset the blocks)."""
+
+    argument = "cache"
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.config = model.config
+        self.dtype = model.get_input_embeddings().weight.dtype
+        self.blocks = {index: layer.temporal_block for index, layer in enumerate(model.model.layers)
+                       if hasattr(layer.temporal_block, "rg_lru")}
+
+    def batch_limit(self, query_len: int) -> Optional[int]:
+        return None
+
+    def new(self, batch: int, device: torch.device) -> Any:
+        from transformers import DynamicCache
+
+        for block in self.blocks.values():  # what the model's own _setup_cache starts from
+            block.conv1d_state = torch.zeros((batch, block.hidden_size, block.conv1d_width - 1), dtype=self.dtype,
+                                             device=device)
+            block.rg_lru.recurrent_states = torch.zeros((batch, block.lru_width), dtype=torch.float32, device=device)
+        return DynamicCache(config=self.config)
+
+    def has_state_layers(self, carrier: Any) -> bool:
+        return bool(self.blocks)
+
+    def probe(self, carrier: Any) -> list[StateEntry]:
+        entries = []
+        for layer, block in self.blocks.items():
+            for index, state in enumerate((block.conv1d_state, block.rg_lru.recurrent_states)):
+                entries.append(StateEntry(layer, "rg_lru", index, tuple(state.shape[1:]), state.dtype))
+        return entries
+
+    def load(self, carrier: Any, entry: StateEntry, rows: torch.Tensor) -> None:
+        block = self.blocks[entry.layer]
+        if entry.index == 0:
+            block.conv1d_state = rows
+        else:
+            block.rg_lru.recurrent_states = rows
+
+    def read(self, carrier: Any, entry: StateEntry) -> Optional[torch.Tensor]:
+        block = self.blocks[entry.layer]
+        return block.conv1d_state if entry.index == 0 else block.rg_lru.recurrent_states
+
+
 #: model_type -> the carrier of a family that keeps its state outside transformers' cache layers.
-_FAMILY_CARRIERS = {"minimax": MiniMaxCarrier, "rwkv": RwkvCarrier}
+_FAMILY_CARRIERS = {"minimax": MiniMaxCarrier, "rwkv": RwkvCarrier, "recurrent_gemma": RecurrentGemmaCarrier}
 
 
 def carrier_of(model: torch.nn.Module):

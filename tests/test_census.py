@@ -19,7 +19,7 @@ pytest.importorskip("transformers")
 from kvpage.census import runner  # noqa: E402
 from kvpage.census.report import exact_share, summary_line, to_markdown  # noqa: E402
 
-SUBSET = "llama,deepseek_v3,mamba,bart,bloom,xlnet,recurrent_gemma,cohere_compass_text"
+SUBSET = "llama,deepseek_v3,mamba,bart,bloom,xlnet,inkling_text,cohere_compass_text"
 
 
 def _kvpage(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -47,8 +47,8 @@ def test_census_classifies_the_subset(census):
     assert stress["prefix_cache_hits"] > 0 and stress["preemptions"] > 0  # the stress mode did stress
     # Recurrent state in state slots: whole prompts (Mamba's prefill starts from zeros), preemption still runs.
     assert families["mamba"]["status"] == "exact" and families["mamba"]["modes"]["stress"]["preemptions"] > 0
-    recurrent_gemma = families["recurrent_gemma"]  # its RG-LRU keeps state in module buffers
-    assert recurrent_gemma["status"] == "refused" and "outside transformers' Cache" in recurrent_gemma["reason"]
+    inkling = families["inkling_text"]  # a query-conditioned relative-position bias handed to attention
+    assert inkling["status"] == "refused" and "mask or bias of its own making" in inkling["reason"]
     assert families["bart"]["status"] == "exact"  # positions relayed to its positional embedding
     assert families["bloom"]["status"] == "exact"  # an attention port, with ALiBi in kvpage's attention
     xlnet = families["xlnet"]
@@ -64,7 +64,7 @@ def test_coverage_page_lists_every_family_with_its_reason(census, tmp_path):
     assert page == to_markdown(data)
     assert "**Summary: exact 5, refused 2, mismatch 0, skipped 1 (of 8 families).**" in page
     assert "| mamba | MambaForCausalLM |" in page and "| llama | LlamaForCausalLM |" in page
-    assert "| recurrent state kept outside transformers' Cache (in module buffers) | 1 |" in page  # recurrent_gemma
+    assert "| a mask or bias of the model's own making | 1 |" in page  # inkling_text
     assert "| attention outside transformers' AttentionInterface | 1 |" in page  # xlnet
     assert exact_share(data) == 1.0
     source = tmp_path / "c.json"
@@ -112,12 +112,12 @@ def saved_models(tmp_path_factory):
     llama = tmp_path_factory.mktemp("llama")
     tiny_model("llama").save_pretrained(llama)
     char_tokenizer().save_pretrained(llama)
-    recurrent_gemma = tmp_path_factory.mktemp("recurrent_gemma")
+    xlnet = tmp_path_factory.mktemp("xlnet")
     torch.manual_seed(0)
     import transformers as tf
 
-    tf.RecurrentGemmaForCausalLM(tiny_config(tf.RecurrentGemmaConfig)).save_pretrained(recurrent_gemma)
-    return str(llama), str(recurrent_gemma)
+    tf.XLNetLMHeadModel(tiny_config(tf.XLNetConfig)).save_pretrained(xlnet)
+    return str(llama), str(xlnet)
 
 
 def test_check_says_exact_for_a_served_model(saved_models, tmp_path):
@@ -133,10 +133,10 @@ def test_check_says_exact_for_a_served_model(saved_models, tmp_path):
 
 
 def test_check_names_the_reason_for_a_refused_model(saved_models):
-    _, recurrent_gemma = saved_models
-    out = _kvpage("check", recurrent_gemma)
+    _, xlnet = saved_models
+    out = _kvpage("check", xlnet)
     assert out.returncode == 1
-    assert "verdict: refused" in out.stdout and "'rg_lru' keeps recurrent state" in out.stdout
+    assert "verdict: refused" in out.stdout and "AttentionInterface" in out.stdout
 
 
 def test_check_of_a_folder_that_is_no_model_is_one_line(tmp_path):

@@ -1,11 +1,12 @@
 """Models with recurrent layers (state-space mixers, gated delta nets) run exactly on state slots.
 
-Five tiny families: Mamba (recurrent layers only, no KV at all; its prefill starts from a
+Six tiny families: Mamba (recurrent layers only, no KV at all; its prefill starts from a
 zero state, so the engine turns chunked prefill off), Jamba (Mamba layers beside an
 attention layer), Qwen3-Next (a gated delta net beside full attention; its prefill
 resumes from a stored state, so chunks stay on), MiniMax (lightning attention, its state
-in MiniMax's own cache class) and RWKV (no attention; its state in the list its forward
-takes and returns). Greedy output equals HF ``generate``
+in MiniMax's own cache class), RWKV (no attention; its state in the list its forward
+takes and returns) and RecurrentGemma (RG-LRU blocks beside local attention, their state
+kept on the blocks themselves). Greedy output equals HF ``generate``
 token for token under batching, chunking, preemption and parallel-sample forks.
 """
 from __future__ import annotations

@@ -15,10 +15,6 @@ from kvpage.adapters.hf_runner import UnsupportedModelError  # noqa: E402
 from kvpage.census.tiny_config import tiny_config  # noqa: E402
 
 CASES = {
-    # recurrent state in module buffers, not carried by the forward (MiniMax's cache and
-    # RWKV's state list are: state_carriers), named by the layer type the module implements
-    "recurrent_gemma": (tf.RecurrentGemmaConfig, tf.RecurrentGemmaForCausalLM,
-                        "layer type 'rg_lru' keeps recurrent state .* outside transformers' Cache"),
     # keys chosen among compressed ones by an indexer with a cache of its own (plain DSA
     # indexers are served: test_sparse_indexer)
     "deepseek_v4": (tf.DeepseekV4Config, tf.DeepseekV4ForCausalLM, "'heavily_compressed_attention'"),
@@ -39,3 +35,17 @@ def test_refused_with_the_reason(family):
         LLM(model, block_size=4, num_kv_blocks=16, max_model_len=32)
     assert isinstance(caught.value, ValueError)
     assert model.config._attn_implementation == before  # left as it was
+
+
+def test_recurrent_state_no_carrier_reaches_is_refused_naming_the_layer_type(monkeypatch):
+    """State kept where neither transformers' Cache nor a family carrier reaches (here
+    RecurrentGemma's block attributes, with its carrier taken away) is refused, the
+    layer type named by the module that implements it."""
+    from kvpage.adapters import state_carriers
+
+    monkeypatch.setattr(state_carriers, "_FAMILY_CARRIERS", {})
+    torch.manual_seed(0)
+    model = tf.RecurrentGemmaForCausalLM._from_config(tiny_config(tf.RecurrentGemmaConfig), dtype=torch.float32)
+    with pytest.raises(UnsupportedModelError, match="layer type 'rg_lru' keeps recurrent state .* outside "
+                                                    "transformers' Cache"):
+        LLM(model.eval(), block_size=4, num_kv_blocks=16, max_model_len=32)

@@ -103,6 +103,7 @@ def _configs() -> dict:
         # cache class beside full attention; RWKV's state list, no attention at all.
         "minimax": lambda: _census_tiny(tf.MiniMaxConfig),
         "rwkv": lambda: _census_tiny(tf.RwkvConfig),
+        "recurrent_gemma": lambda: _census_tiny(tf.RecurrentGemmaConfig),  # state on its blocks
     }
 
 
@@ -110,7 +111,7 @@ FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "ge
 EXTENDED_FAMILIES = ["gpt_oss", "gpt_bigcode", "gptj", "codegen", "starcoder2", "phi", "mixtral", "olmo2", "cohere",
                      "granite", "smollm3", "stablelm", "nemotron", "deepseek_v3", "minicpm3", "gemma3n_text",
                      "diffllama", "bart", "pegasus"]
-RECURRENT_FAMILIES = ["mamba", "jamba", "qwen3_next", "minimax", "rwkv"]
+RECURRENT_FAMILIES = ["mamba", "jamba", "qwen3_next", "minimax", "rwkv", "recurrent_gemma"]
 UNSUPPORTED_FAMILIES = ["xlnet"]
 
 

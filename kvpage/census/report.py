@@ -23,7 +23,7 @@ def exact_share(census: dict, count_refused: bool = False) -> float:
 
 #: Kinds of refusal, by the phrase kvpage's reason carries (first match wins).
 REFUSAL_KINDS = (
-    ("keeps recurrent state", "recurrent state kept outside transformers' Cache (in module buffers)"),
+    ("keeps recurrent state", "recurrent state the forward does not carry (outside transformers' Cache and the family carriers)"),
     ("indexer", "sparse attention over keys an indexer picks"),
     ("chunked", "chunked attention"),
     ("AttentionInterface", "attention outside transformers' AttentionInterface"),
