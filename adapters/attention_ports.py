@@ -20,7 +20,7 @@ does not serve.
 
 A family whose modeling file later moves onto the interface stops needing its port: the
 runner installs ports only for models that cannot switch attention implementation. Falcon
-did so (transformers 5.2x) and now folds ALiBi into the mask it builds; ``mask_alibi_slopes``
+did so (transformers 5.25) and now folds ALiBi into the mask it builds; ``mask_alibi_slopes``
 gives the runner those slopes instead. Its port stays for the releases before.
 """
 from __future__ import annotations

@@ -127,32 +127,48 @@ constexpr bool kHaveBf16Dot = false;
 // bf16 with AVX512-BF16: raw bf16 q and K pairs through vdpbf16ps (products exact in
 // fp32), `qrow` holds the unscaled bf16 query and the sums are scaled here; otherwise
 // `qrow` is the scaled fp32 query and K is widened to fp32.
+//
+// Always sixteen rows (a short tail repeats row 0, whose sums are dropped), chunk-outer:
+// with a constant row count the compiler keeps the sixteen accumulators in registers, and
+// each chunk's sixteen multiply-adds are independent. Row-outer with a run-time count, it
+// kept them on the stack and each row's adds were one chain through a store and reload.
 template <int T, int D16, bool kDot>
 inline void dot16(const void* key_cache, int64_t head_dim, float scale, const void* qrow, const int64_t* offs,
                   int64_t n, float* out16) {
-  const int64_t d16 = D16 ? D16 : head_dim / 16;
+  int64_t rows[16];
+  for (int j = 0; j < 16; ++j) rows[j] = offs[j < n ? j : 0];
   __m512 acc[16];
   for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
+  __m512 sums;
   if constexpr (kDot) {
     static_assert(T == kBF16, "the bf16 dot path reads bf16 K");
 #if defined(__AVX512BF16__)
-    const int64_t d32 = d16 / 2;  // head_dim % 32 == 0 on this path
+    const int64_t d32 = (D16 ? D16 : head_dim / 16) / 2;  // head_dim % 32 == 0 on this path
+
     const uint16_t* qb = static_cast<const uint16_t*>(qrow);
-    __m512i qv[kMaxChunks / 2];
-    for (int64_t c = 0; c < d32; ++c) qv[c] = _mm512_loadu_si512(qb + c * 32);
-    for (int64_t j = 0; j < n; ++j) {
-      const uint16_t* kr = static_cast<const uint16_t*>(key_cache) + offs[j];
-      for (int64_t c = 0; c < d32; ++c)
-        acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)qv[c], (__m512bh)_mm512_loadu_si512(kr + c * 32));
+    const uint16_t* kc = static_cast<const uint16_t*>(key_cache);
+    for (int64_t c = 0; c < d32; ++c) {  // chunk-outer: sixteen independent chains per chunk
+      const __m512i qc = _mm512_loadu_si512(qb + c * 32);
+      for (int j = 0; j < 16; ++j)
+        acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)qc, (__m512bh)_mm512_loadu_si512(kc + rows[j] + c * 32));
     }
-    _mm512_storeu_ps(out16, _mm512_mul_ps(reduce16(acc), _mm512_set1_ps(scale)));
+    sums = _mm512_mul_ps(reduce16(acc), _mm512_set1_ps(scale));
+#else
+    sums = _mm512_setzero_ps();
 #endif
   } else {
     const float* qf = static_cast<const float*>(qrow);
-    for (int64_t j = 0; j < n; ++j)
-      for (int64_t c = 0; c < d16; ++c)
-        acc[j] = _mm512_fmadd_ps(_mm512_loadu_ps(qf + c * 16), load16<T>(key_cache, offs[j] + c * 16), acc[j]);
-    _mm512_storeu_ps(out16, reduce16(acc));
+    const int64_t d16 = D16 ? D16 : head_dim / 16;
+    for (int64_t c = 0; c < d16; ++c) {  // chunk-outer: sixteen independent chains per chunk
+      const __m512 qc = _mm512_loadu_ps(qf + c * 16);
+      for (int j = 0; j < 16; ++j) acc[j] = _mm512_fmadd_ps(qc, load16<T>(key_cache, rows[j] + c * 16), acc[j]);
+    }
+    sums = reduce16(acc);
+  }
+  if (n == 16) {
+    _mm512_storeu_ps(out16, sums);
+  } else {
+    _mm512_mask_storeu_ps(out16, static_cast<__mmask16>((1u << n) - 1), sums);
   }
 }
 
