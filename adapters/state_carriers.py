@@ -24,6 +24,7 @@ by running the model once where the family's layout is not fixed by its config;
 from __future__ import annotations
 
 import inspect
+import sys
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -62,15 +63,42 @@ def cache_argument(model: torch.nn.Module) -> Optional[str]:
     return next((name for name in _CACHE_ARGUMENTS if name in parameters), None)
 
 
-class CacheCarrier:
+class StateCarrier:
+    """The contract every carrier keeps (the defaults here suit most)."""
+
+    argument: Optional[str] = "cache"  # the forward keyword the carrier goes under
+
+    def new(self, batch: int, device: torch.device) -> Any:
+        """A fresh carrier for ``batch`` sequences: what the model starts a sequence from."""
+        raise NotImplementedError
+
+    def has_state_layers(self, carrier: Any) -> bool:
+        """Whether a fresh carrier has anywhere to keep state (probing is pointless otherwise)."""
+        return True
+
+    def probe(self, carrier: Any) -> list[StateEntry]:
+        """The states a forward of one sequence left in ``carrier``."""
+        raise NotImplementedError
+
+    def load(self, carrier: Any, entry: StateEntry, rows: torch.Tensor) -> None:
+        """Put the batch's rows of one state into ``carrier``."""
+        raise NotImplementedError
+
+    def read(self, carrier: Any, entry: StateEntry) -> Optional[torch.Tensor]:
+        """The batch's rows of one state after a forward (None if the forward left none)."""
+        raise NotImplementedError
+
+    def batch_limit(self, query_len: int) -> Optional[int]:
+        """At most this many sequences per forward of ``query_len`` tokens (None: any)."""
+        return None
+
+
+class CacheCarrier(StateCarrier):
     """State in transformers' ``DynamicCache``: its ``LinearAttentionCacheLayerMixin`` layers."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
         self.argument = cache_argument(model)
-
-    def batch_limit(self, query_len: int) -> Optional[int]:
-        return None
 
     def new(self, batch: int, device: torch.device) -> Any:
         from transformers import DynamicCache
@@ -106,23 +134,15 @@ class CacheCarrier:
         return _states(carrier.layers[entry.layer], entry.kind)[entry.index]
 
 
-class MiniMaxCarrier:
+class MiniMaxCarrier(StateCarrier):
     """MiniMax's ``MiniMaxCache``: a ``DynamicCache`` (its attention layers) plus
     ``linear_cache``, one K^T V state per lightning-attention layer."""
-
-    argument = "cache"
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.cache_class = _modeling_module(model).MiniMaxCache
 
-    def batch_limit(self, query_len: int) -> Optional[int]:
-        return None
-
     def new(self, batch: int, device: torch.device) -> Any:
         return self.cache_class()
-
-    def has_state_layers(self, carrier: Any) -> bool:
-        return True
 
     def probe(self, carrier: Any) -> list[StateEntry]:
         return [StateEntry(layer, "linear_cache", 0, tuple(state.shape[1:]), state.dtype)
@@ -136,7 +156,7 @@ class MiniMaxCarrier:
         return state if isinstance(state, torch.Tensor) else None
 
 
-class RwkvCarrier:
+class RwkvCarrier(StateCarrier):
     """RWKV's ``state`` list: five ``[batch, hidden, layers]`` tensors; a fresh one is what
     ``RwkvModel`` starts from (zeros; the running maximum at -1e30; the two token-shift
     inputs in the model's dtype, the WKV sums in float32)."""
@@ -163,9 +183,6 @@ class RwkvCarrier:
         state[4] -= 1e30
         return state
 
-    def has_state_layers(self, carrier: Any) -> bool:
-        return True
-
     def probe(self, carrier: Any) -> list[StateEntry]:
         return [StateEntry(layer, "rwkv", i, (self.hidden,), self._dtype(i))
                 for layer in range(self.layers) for i in range(5)]
@@ -177,22 +194,17 @@ class RwkvCarrier:
         return carrier[entry.index][:, :, entry.layer]
 
 
-class RecurrentGemmaCarrier:
+class RecurrentGemmaCarrier(StateCarrier):
     """RecurrentGemma's recurrent blocks keep their state on themselves: the convolution
     window ``conv1d_state`` ``[batch, hidden, width - 1]`` (the model's dtype) and the RG-LRU's
     ``recurrent_states`` ``[batch, lru_width]`` (float32). The forward gets a fresh
     ``DynamicCache`` (for its attention layers, and so that it does not reset the blocks)."""
-
-    argument = "cache"
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.config = model.config
         self.dtype = model.get_input_embeddings().weight.dtype
         self.blocks = {index: layer.temporal_block for index, layer in enumerate(model.model.layers)
                        if hasattr(layer.temporal_block, "rg_lru")}
-
-    def batch_limit(self, query_len: int) -> Optional[int]:
-        return None
 
     def new(self, batch: int, device: torch.device) -> Any:
         from transformers import DynamicCache
@@ -229,15 +241,13 @@ class RecurrentGemmaCarrier:
 _FAMILY_CARRIERS = {"minimax": MiniMaxCarrier, "rwkv": RwkvCarrier, "recurrent_gemma": RecurrentGemmaCarrier}
 
 
-def carrier_of(model: torch.nn.Module):
+def carrier_of(model: torch.nn.Module) -> StateCarrier:
     """The carrier for ``model``'s recurrent state."""
     family = _FAMILY_CARRIERS.get(getattr(model.config, "model_type", None))
     return family(model) if family is not None else CacheCarrier(model)
 
 
 def _modeling_module(model: torch.nn.Module):
-    import sys
-
     return sys.modules[type(model).__module__]
 
 
