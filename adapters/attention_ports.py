@@ -251,7 +251,8 @@ class DogeAttentionPort(_Port):
     the key instead: ``[k, bias]`` against ``[q, 1/scaling]`` scores ``q.k * scaling + bias``
     (so the paged K of a Doge layer is one wider than its V). Doge keeps only the
     ``keep_window_size`` keys of highest bias once a sequence is longer than that; below it
-    the mask is dense, and kvpage serves Doge up to that length (``model_len_limit``)."""
+    the mask is dense, and kvpage serves Doge up to that length
+    (``hf_engine.exact_length_limit``)."""
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, cache=None,
                 **kwargs):

@@ -115,7 +115,7 @@ class HFModelRunner:
         self._undo_indexers = install_indexer_ports(model) if self.sparse_indexers else (lambda: None)
         # An interface family that folds ALiBi into its mask: kvpage adds the slopes itself,
         # and hands the model a placeholder mask to fold them into (then ignores the result).
-        self._mask_alibi = {} if self._ported else mask_alibi_slopes(model)
+        self._mask_alibi = mask_alibi_slopes(model)  # {} for a ported model
         self._mask_placeholder = self.sparse_indexers or bool(self._mask_alibi)
         if self._text_only:
             self.original_attn_implementation = {"text_config": model.config.text_config._attn_implementation}

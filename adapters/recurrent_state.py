@@ -28,10 +28,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from .state_carriers import StateEntry, cache_argument, carrier_of
+from .state_carriers import StateEntry, carrier_of
 
-__all__ = ["RecurrentStateSlots", "StateEntry", "cache_argument", "chunked_prefill_is_exact", "probe_state_layout",
-           "state_argument"]
+__all__ = ["RecurrentStateSlots", "StateEntry", "chunked_prefill_is_exact", "probe_state_layout", "state_argument"]
 
 
 def state_argument(model: torch.nn.Module) -> str:
@@ -87,7 +86,6 @@ class RecurrentStateSlots:
 
     def __init__(self, model: torch.nn.Module, entries: list[StateEntry], num_slots: int,
                  device: torch.device) -> None:
-        self.model = model
         self.carrier = carrier_of(model)
         self.entries = entries
         self.num_slots = num_slots

@@ -3,7 +3,7 @@
 ``recurrent_state`` keeps each request's recurrent state in slot tensors and, for each
 forward, hands the model a carrier holding the batch's rows, then reads the rows back. Most
 families carry state in transformers' ``DynamicCache`` (its linear-attention layers' conv
-and recurrent states); two keep it elsewhere:
+and recurrent states); three keep it elsewhere:
 
 - MiniMax's lightning attention: its own ``MiniMaxCache`` (which its forward insists on),
   one ``[batch, heads, head_dim, head_dim]`` tensor per linear layer in ``linear_cache``.
@@ -39,10 +39,10 @@ _CACHE_ARGUMENTS = ("cache", "past_key_values")
 class StateEntry:
     """One state tensor of one layer: ``kind`` ("conv" or "recurrent" in a transformers
     cache layer, "linear_cache" for MiniMax, "rwkv" for RWKV, "rg_lru" for RecurrentGemma),
-    the layer's state number
-    ``index``, its per-sequence ``shape`` and ``dtype``; a convolution window's
-    ``kernel_size``; ``marks_previous``: whether the layer's forward marks the state as
-    present (``has_previous_state``), which a resumed cache must then say too."""
+    the layer's state number ``index``, its per-sequence ``shape`` and ``dtype``; a
+    convolution window's ``kernel_size``; ``marks_previous``: whether the layer's forward
+    marks the state as present (``has_previous_state``), which a resumed cache must then
+    say too."""
 
     layer: int
     kind: str

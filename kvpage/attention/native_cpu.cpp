@@ -135,6 +135,7 @@ constexpr bool kHaveBf16Dot = false;
 template <int T, int D16, bool kDot>
 inline void dot16(const void* key_cache, int64_t head_dim, float scale, const void* qrow, const int64_t* offs,
                   int64_t n, float* out16) {
+  const int64_t d16 = D16 ? D16 : head_dim / 16;
   int64_t rows[16];
   for (int j = 0; j < 16; ++j) rows[j] = offs[j < n ? j : 0];
   __m512 acc[16];
@@ -143,8 +144,7 @@ inline void dot16(const void* key_cache, int64_t head_dim, float scale, const vo
   if constexpr (kDot) {
     static_assert(T == kBF16, "the bf16 dot path reads bf16 K");
 #if defined(__AVX512BF16__)
-    const int64_t d32 = (D16 ? D16 : head_dim / 16) / 2;  // head_dim % 32 == 0 on this path
-
+    const int64_t d32 = d16 / 2;  // head_dim % 32 == 0 on this path
     const uint16_t* qb = static_cast<const uint16_t*>(qrow);
     const uint16_t* kc = static_cast<const uint16_t*>(key_cache);
     for (int64_t c = 0; c < d32; ++c) {  // chunk-outer: sixteen independent chains per chunk
@@ -158,18 +158,13 @@ inline void dot16(const void* key_cache, int64_t head_dim, float scale, const vo
 #endif
   } else {
     const float* qf = static_cast<const float*>(qrow);
-    const int64_t d16 = D16 ? D16 : head_dim / 16;
     for (int64_t c = 0; c < d16; ++c) {  // chunk-outer: sixteen independent chains per chunk
       const __m512 qc = _mm512_loadu_ps(qf + c * 16);
       for (int j = 0; j < 16; ++j) acc[j] = _mm512_fmadd_ps(qc, load16<T>(key_cache, rows[j] + c * 16), acc[j]);
     }
     sums = reduce16(acc);
   }
-  if (n == 16) {
-    _mm512_storeu_ps(out16, sums);
-  } else {
-    _mm512_mask_storeu_ps(out16, static_cast<__mmask16>((1u << n) - 1), sums);
-  }
+  _mm512_mask_storeu_ps(out16, static_cast<__mmask16>((1u << n) - 1), sums);  // n <= 16
 }
 
 // dot16 on the bf16-dot path when `raw` (the caller's query rows are raw bf16), else widened.
