@@ -112,6 +112,17 @@ def test_bench_decode(benchmark, shape, impl):
     record(benchmark, kv_bytes, impl=impl, phase="decode")
 
 
+@pytest.mark.parametrize("impl", ["native", "numba"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_bench_decode_at_the_vs_vllm_shape(benchmark, dtype, impl):
+    """One decode layer of bench_vs_vllm's workload on SmolLM2-135M: 64 sequences of 200-420
+    tokens, 9 query and 3 KV heads of 64, blocks of 16."""
+    lens = np.random.default_rng(0).integers(200, 420, 64).tolist()
+    q, kc, vc, md, _, kv_bytes = build([1] * len(lens), lens, 9, 3, 16, dtype=dtype)
+    benchmark(paged_fn(impl, q, kc, vc, md))
+    record(benchmark, kv_bytes, impl=impl, phase="decode")
+
+
 def test_bench_decode_reference(benchmark):
     q, kc, vc, md, _, kv_bytes = build([1] * 8, [512] * 8, 8, 4, 16)
     benchmark.pedantic(paged_fn("reference", q, kc, vc, md), rounds=3, iterations=1)
