@@ -187,18 +187,21 @@ template <int T, int D16>
 void partition_scores(const DecodeArgs& a, const int64_t* offs, int64_t n, const void* qrows, float* scores) {
   const int64_t group = a.num_heads / a.num_kv_heads, D = a.head_dim;
   const bool raw = uses_bf16_dot<T>(D);
-  int64_t head_offs[kPartition];
-  float tmp[16];
-  for (int64_t h = 0; h < a.num_kv_heads; ++h) {
-    for (int64_t j = 0; j < n; ++j) head_offs[j] = offs[j] + h * D;
-    for (int64_t g = 0; g < group; ++g) {
-      const int64_t hq = h * group + g;
-      const void* qrow = raw ? static_cast<const void*>(static_cast<const uint16_t*>(qrows) + hq * D)
-                             : static_cast<const void*>(static_cast<const float*>(qrows) + hq * D);
-      for (int64_t j0 = 0; j0 < n; j0 += 16) {
-        const int64_t m = std::min<int64_t>(16, n - j0);
-        scores16<T, D16>(a.key_cache, D, a.scale, raw, qrow, head_offs + j0, m, tmp);
-        std::memcpy(scores + hq * kPartition + j0, tmp, m * sizeof(float));
+  int64_t head_offs[16];
+  // Sixteen tokens at a time, every head: their K rows (all heads) stay in L1 while each
+  // head reads its slice; head-outer over the whole partition (48 KB of fp32 K at SmolLM2's
+  // shape) walked it once per KV head from L2. dot16's masked store goes straight into
+  // `scores`: copying it out of a scratch vector read a masked store back at once, which
+  // store forwarding cannot serve.
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const int64_t m = std::min<int64_t>(16, n - j0);
+    for (int64_t h = 0; h < a.num_kv_heads; ++h) {
+      for (int64_t j = 0; j < m; ++j) head_offs[j] = offs[j0 + j] + h * D;
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t hq = h * group + g;
+        const void* qrow = raw ? static_cast<const void*>(static_cast<const uint16_t*>(qrows) + hq * D)
+                               : static_cast<const void*>(static_cast<const float*>(qrows) + hq * D);
+        scores16<T, D16>(a.key_cache, D, a.scale, raw, qrow, head_offs, m, scores + hq * kPartition + j0);
       }
     }
   }
@@ -238,10 +241,9 @@ void partition_softmax(float* s, int64_t n, float softcap, float* max_, float* d
   }
 }
 
-// acc[hq] += sum over the partition's n tokens of weight * V row. The accumulators of up
-// to kRowsInRegisters query heads stay in registers across the tokens (head sizes 64 and
-// 128), so each V row is widened once per KV head and query-head chunk.
-constexpr int64_t kRowsInRegisters = 3;
+// Query heads whose accumulators partition_values keeps in registers at once: with the
+// D16 chunks of a V row they must fit the 32 vector registers.
+constexpr int64_t rows_in_registers(int D16) { return D16 <= 4 ? 3 : D16 <= 8 ? 2 : 1; }
 
 // The 32 bf16 values of x and of y as (x[i], y[i]) words: i < 16 into lo, the rest into hi
 // (the layout vdpbf16ps multiplies pairwise: two tokens of one dim).
@@ -253,76 +255,88 @@ inline void interleave_bf16_pairs(__m512i x, __m512i y, __m512i& lo, __m512i& hi
 }
 
 #if defined(__AVX512BF16__)
-// partition_values on bf16 with AVX512-BF16: two tokens per vdpbf16ps. Each pair of V rows
-// is interleaved into (V[j][d], V[j+1][d]) words and the weights rounded to bf16 pairs (as
-// torch's CPU flash attention rounds P for bf16), halving the multiply-adds and skipping
-// the widening of V.
-template <int D16>
-void partition_values_bf16(const DecodeArgs& a, const int64_t* offs, int64_t n, const float* scores, float* acc) {
-  const int64_t group = a.num_heads / a.num_kv_heads, D = a.head_dim;
+// acc[hq0 .. hq0 + kRows) += the partition's weighted V rows of KV head h, on bf16 with
+// AVX512-BF16: two tokens per vdpbf16ps. Each pair of V rows is interleaved into
+// (V[j][d], V[j+1][d]) words and the weights rounded to bf16 pairs (as torch's CPU flash
+// attention rounds P for bf16), halving the multiply-adds and skipping the widening of V.
+// kRows is a template argument so the kRows x D16 accumulators stay in registers: with a
+// run-time row count the compiler kept them on the stack, a store and reload per update.
+template <int D16, int kRows>
+void head_values_bf16(const DecodeArgs& a, const int64_t* offs, int64_t n, const float* scores, float* acc,
+                      int64_t h, int64_t hq0) {
+  const int64_t D = a.head_dim;
   const uint16_t* vc = static_cast<const uint16_t*>(a.value_cache);
   const int64_t pairs = (n + 1) / 2;
-  for (int64_t h = 0; h < a.num_kv_heads; ++h) {
-    for (int64_t g0 = 0; g0 < group; g0 += kRowsInRegisters) {
-      const int64_t rows = std::min(kRowsInRegisters, group - g0), hq0 = h * group + g0;
-      uint32_t pw[kRowsInRegisters][kPartition / 2];
-      __m512 r[kRowsInRegisters][D16];
-      for (int64_t g = 0; g < rows; ++g) {
-        const float* w = scores + (hq0 + g) * kPartition;
-        for (int64_t j = 0; j < kPartition; j += 32) {  // weights past n are zero, never stale
-          const __mmask16 m0 = n - j >= 16 ? 0xFFFF : n - j > 0 ? static_cast<__mmask16>((1u << (n - j)) - 1) : 0;
-          const __mmask16 m1 = n - j >= 32 ? 0xFFFF : n - j > 16 ? static_cast<__mmask16>((1u << (n - j - 16)) - 1) : 0;
-          const __m512 lo = _mm512_maskz_loadu_ps(m0, w + j), hi = _mm512_maskz_loadu_ps(m1, w + j + 16);
-          _mm512_storeu_si512(pw[g] + j / 2, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-        }
-        for (int c = 0; c < D16; ++c) r[g][c] = _mm512_loadu_ps(acc + (hq0 + g) * D + c * 16);
-      }
-      for (int64_t jp = 0; jp < pairs; ++jp) {
-        const int64_t j = 2 * jp;
-        __m512i vv[D16];
-        for (int c = 0; c < D16 / 2; ++c) {
-          const __m512i x = _mm512_loadu_si512(vc + offs[j] + h * D + 32 * c);
-          const __m512i y = j + 1 < n ? _mm512_loadu_si512(vc + offs[j + 1] + h * D + 32 * c) : _mm512_setzero_si512();
-          interleave_bf16_pairs(x, y, vv[2 * c], vv[2 * c + 1]);
-        }
-        for (int64_t g = 0; g < kRowsInRegisters; ++g) {
-          if (g >= rows) break;
-          const __m512bh wb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pw[g][jp]));
-          for (int c = 0; c < D16; ++c) r[g][c] = _mm512_dpbf16_ps(r[g][c], wb, (__m512bh)vv[c]);
-        }
-      }
-      for (int64_t g = 0; g < rows; ++g)
-        for (int c = 0; c < D16; ++c) _mm512_storeu_ps(acc + (hq0 + g) * D + c * 16, r[g][c]);
+  uint32_t pw[kRows][kPartition / 2];
+  __m512 r[kRows][D16];
+  for (int g = 0; g < kRows; ++g) {
+    const float* w = scores + (hq0 + g) * kPartition;
+    for (int64_t j = 0; j < kPartition; j += 32) {  // weights past n are zero, never stale
+      const __mmask16 m0 = n - j >= 16 ? 0xFFFF : n - j > 0 ? static_cast<__mmask16>((1u << (n - j)) - 1) : 0;
+      const __mmask16 m1 = n - j >= 32 ? 0xFFFF : n - j > 16 ? static_cast<__mmask16>((1u << (n - j - 16)) - 1) : 0;
+      const __m512 lo = _mm512_maskz_loadu_ps(m0, w + j), hi = _mm512_maskz_loadu_ps(m1, w + j + 16);
+      _mm512_storeu_si512(pw[g] + j / 2, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+    for (int c = 0; c < D16; ++c) r[g][c] = _mm512_loadu_ps(acc + (hq0 + g) * D + c * 16);
+  }
+  for (int64_t jp = 0; jp < pairs; ++jp) {
+    const int64_t j = 2 * jp;
+    __m512i vv[D16];
+    for (int c = 0; c < D16 / 2; ++c) {
+      const __m512i x = _mm512_loadu_si512(vc + offs[j] + h * D + 32 * c);
+      const __m512i y = j + 1 < n ? _mm512_loadu_si512(vc + offs[j + 1] + h * D + 32 * c) : _mm512_setzero_si512();
+      interleave_bf16_pairs(x, y, vv[2 * c], vv[2 * c + 1]);
+    }
+    for (int g = 0; g < kRows; ++g) {
+      const __m512bh wb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pw[g][jp]));
+      for (int c = 0; c < D16; ++c) r[g][c] = _mm512_dpbf16_ps(r[g][c], wb, (__m512bh)vv[c]);
     }
   }
+  for (int g = 0; g < kRows; ++g)
+    for (int c = 0; c < D16; ++c) _mm512_storeu_ps(acc + (hq0 + g) * D + c * 16, r[g][c]);
 }
 #endif
 
+// The same on fp32 words: each V row widened once per KV head, one broadcast FMA per
+// query head, token and 16 dims.
+template <int T, int D16, int kRows>
+void head_values(const DecodeArgs& a, const int64_t* offs, int64_t n, const float* scores, float* acc, int64_t h,
+                 int64_t hq0) {
+#if defined(__AVX512BF16__)
+  if constexpr (T == kBF16 && D16 % 2 == 0) return head_values_bf16<D16, kRows>(a, offs, n, scores, acc, h, hq0);
+#endif
+  const int64_t D = a.head_dim;
+  __m512 r[kRows][D16];
+  for (int g = 0; g < kRows; ++g)
+    for (int c = 0; c < D16; ++c) r[g][c] = _mm512_loadu_ps(acc + (hq0 + g) * D + c * 16);
+  for (int64_t j = 0; j < n; ++j) {
+    __m512 vv[D16];
+    for (int c = 0; c < D16; ++c) vv[c] = load16<T>(a.value_cache, offs[j] + h * D + c * 16);
+    for (int g = 0; g < kRows; ++g) {
+      const __m512 w = _mm512_set1_ps(scores[(hq0 + g) * kPartition + j]);
+      for (int c = 0; c < D16; ++c) r[g][c] = _mm512_fmadd_ps(w, vv[c], r[g][c]);
+    }
+  }
+  for (int g = 0; g < kRows; ++g)
+    for (int c = 0; c < D16; ++c) _mm512_storeu_ps(acc + (hq0 + g) * D + c * 16, r[g][c]);
+}
+
+// acc[hq] += sum over the partition's n tokens of weight * V row, for every query head.
+// The accumulators of up to rows_in_registers(D16) query heads of one KV head stay in
+// registers across the tokens, so each V row is read once per KV head and block of heads.
 template <int T, int D16>
 void partition_values(const DecodeArgs& a, const int64_t* offs, int64_t n, const float* scores, float* acc) {
   const int64_t group = a.num_heads / a.num_kv_heads, D = a.head_dim;
-#if defined(__AVX512BF16__)
-  if constexpr (T == kBF16 && D16 > 0 && D16 % 2 == 0) return partition_values_bf16<D16>(a, offs, n, scores, acc);
-#endif
   if constexpr (D16 > 0) {
+    constexpr int64_t kBlock = rows_in_registers(D16);
     for (int64_t h = 0; h < a.num_kv_heads; ++h) {
-      for (int64_t g0 = 0; g0 < group; g0 += kRowsInRegisters) {
-        const int64_t rows = std::min(kRowsInRegisters, group - g0), hq0 = h * group + g0;
-        __m512 r[kRowsInRegisters][D16];
-        for (int64_t g = 0; g < kRowsInRegisters; ++g)
-          for (int c = 0; c < D16; ++c)
-            r[g][c] = g < rows ? _mm512_loadu_ps(acc + (hq0 + g) * D + c * 16) : _mm512_setzero_ps();
-        for (int64_t j = 0; j < n; ++j) {
-          __m512 vv[D16];
-          for (int c = 0; c < D16; ++c) vv[c] = load16<T>(a.value_cache, offs[j] + h * D + c * 16);
-          for (int64_t g = 0; g < kRowsInRegisters; ++g) {
-            if (g >= rows) break;
-            const __m512 w = _mm512_set1_ps(scores[(hq0 + g) * kPartition + j]);
-            for (int c = 0; c < D16; ++c) r[g][c] = _mm512_fmadd_ps(w, vv[c], r[g][c]);
-          }
+      for (int64_t g0 = 0; g0 < group; g0 += kBlock) {
+        const int64_t hq0 = h * group + g0;
+        switch (std::min(kBlock, group - g0)) {
+          case 3: head_values<T, D16, 3>(a, offs, n, scores, acc, h, hq0); break;
+          case 2: head_values<T, D16, 2>(a, offs, n, scores, acc, h, hq0); break;
+          default: head_values<T, D16, 1>(a, offs, n, scores, acc, h, hq0); break;
         }
-        for (int64_t g = 0; g < rows; ++g)
-          for (int c = 0; c < D16; ++c) _mm512_storeu_ps(acc + (hq0 + g) * D + c * 16, r[g][c]);
       }
     }
   } else {
@@ -396,7 +410,8 @@ void decode_item(const DecodeArgs& a, int64_t item, Scratch& w) {
   for (int64_t pb = tok_lo; pb < tok_hi; pb += kPartition) {
     // Blocks sit anywhere in the pool, so the hardware prefetcher sees short runs: V rows
     // are requested while the scores are computed, the next partition's K rows while
-    // this partition's V rows are summed.
+    // this partition's V rows are summed. (Requested a share at a time from inside the
+    // loops instead, or two partitions ahead, they arrived later: 10-40 % slower here.)
     prefetch_rows(a.value_cache, offs, n, elem_bytes, row_bytes);
     partition_scores<T, D16>(a, offs, n, qrows, w.scores.data());
     for (int64_t hq = 0; hq < H; ++hq)
