@@ -155,20 +155,21 @@ def test_bench_decode_target_ratio(benchmark):
            torch_over_contiguous=round(medians["torch"] / medians["contiguous_sdpa"], 2))
 
 
-def test_bench_decode_bf16_from_a_large_pool(benchmark):
-    """SmolLM2's decode shape in bf16 (batch 34 x context 220, 9 query / 3 KV heads), each
-    call on another of 30 layers' worth of scattered blocks, so K/V come from DRAM as in a
-    served model (a single layer's KV stays in the caches and flatters the kernel)."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_bench_decode_from_a_large_pool(benchmark, dtype):
+    """SmolLM2's decode shape (batch 34 x context 220, 9 query / 3 KV heads), each call on
+    another of 30 layers' worth of scattered blocks, so K/V come from DRAM as in a served
+    model (a single layer's KV stays in the caches and flatters the kernel)."""
     layers, batch, ctx, bs = 30, 34, 220, 16
     g = torch.Generator().manual_seed(0)
     per_seq = -(-ctx // bs)
     num_blocks = layers * batch * per_seq
-    kc = torch.randn(num_blocks, bs, 3, HEAD_DIM, generator=g).to(torch.bfloat16)
-    vc = torch.randn(num_blocks, bs, 3, HEAD_DIM, generator=g).to(torch.bfloat16)
+    kc = torch.randn(num_blocks, bs, 3, HEAD_DIM, generator=g).to(dtype)
+    vc = torch.randn(num_blocks, bs, 3, HEAD_DIM, generator=g).to(dtype)
     perm = torch.randperm(num_blocks, generator=g).to(torch.int32).view(layers, batch, per_seq)
     qsl, lens = np.arange(batch + 1, dtype=np.int32), np.full(batch, ctx, np.int32)
     metas = [prepare_cpu_attention_metadata(qsl, lens, perm[i].numpy(), num_decodes=batch) for i in range(layers)]
-    q = torch.randn(batch, 9, HEAD_DIM, generator=g).to(torch.bfloat16)
+    q = torch.randn(batch, 9, HEAD_DIM, generator=g).to(dtype)
     calls = iter(range(1 << 62))
 
     def one_layer():
@@ -177,7 +178,8 @@ def test_bench_decode_bf16_from_a_large_pool(benchmark):
     from kvpage.attention.cpu import DECODE_BACKEND
 
     benchmark(one_layer)
-    record(benchmark, batch * ctx * 3 * HEAD_DIM * 2 * 2, impl=DECODE_BACKEND, phase="decode", dtype="bfloat16")
+    record(benchmark, batch * ctx * 3 * HEAD_DIM * 2 * kc.element_size(), impl=DECODE_BACKEND, phase="decode",
+           dtype=str(dtype).removeprefix("torch."))
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])

@@ -23,8 +23,10 @@ from typing import Callable, Optional, Sequence
 
 log = logging.getLogger("kvpage")
 
-#: Seconds between two looks at the CPU counters.
-CHECK_INTERVAL_S = 0.5
+#: Seconds between two looks at the CPU counters. A change takes two looks in a row, so a
+#: neighbour that starts with the engine costs about two intervals at the old count; at
+#: 0.5 s that was a sixth of bench_e2e's few-second runs beside a busy process.
+CHECK_INTERVAL_S = 0.25
 _BUSY_FIELDS = (0, 1, 2, 5, 6, 7)  # user nice system irq softirq steal (idle and iowait are not busy)
 
 
@@ -67,19 +69,20 @@ class ThreadGovernor:
         self._interval = interval_s
         self._clock, self._read_busy, self._read_own = clock, read_busy, read_own
         self._hz = os.sysconf("SC_CLK_TCK")
-        self._last = None
         self._pending: Optional[int] = None
+        self._last = self._sample()  # the first window starts now, not at the first step
         self.num_changes = 0
+
+    def _sample(self) -> tuple:
+        return self._clock(), self._read_busy(self._cpus), self._read_own()
 
     def tick(self) -> int:
         """Look at the counters if ``interval_s`` has passed; returns the thread count in use."""
         now = self._clock()
-        if self._last is not None and now - self._last[0] < self._interval:
+        if now - self._last[0] < self._interval:
             return self.current
-        sample = (now, self._read_busy(self._cpus), self._read_own())
-        previous, self._last = self._last, sample
-        if previous is None:
-            return self.current
+        previous = self._last
+        sample = self._last = self._sample()
         seconds = sample[0] - previous[0]
         others = ((sample[1] - previous[1]) - (sample[2] - previous[2])) / (self._hz * seconds)
         target = threads_for(len(self._cpus), others, self.max_threads)

@@ -41,7 +41,7 @@ def _governor(counters: _FakeCounters, applied: list) -> ThreadGovernor:
 def test_a_busy_neighbour_halves_the_threads_after_two_checks_and_they_come_back():
     counters, applied = _FakeCounters(), []
     gov = _governor(counters, applied)
-    assert gov.tick() == 2  # first sample: nothing to compare yet
+    assert gov.tick() == 2  # within the first interval (sampled when built): no look yet
     for _ in range(3):
         counters.advance(0.6, own_cores=2.0, other_cores=0.0)
         assert gov.tick() == 2
@@ -55,6 +55,15 @@ def test_a_busy_neighbour_halves_the_threads_after_two_checks_and_they_come_back
     assert gov.tick() == 1
     counters.advance(0.6, own_cores=1.0, other_cores=0.0)
     assert gov.tick() == 2 and applied == [1, 2] and gov.num_changes == 2
+
+
+def test_the_first_window_starts_when_the_governor_is_built():
+    counters, applied = _FakeCounters(), []
+    gov = _governor(counters, applied)  # built beside a neighbour that is already busy
+    counters.advance(0.6, own_cores=1.0, other_cores=1.0)
+    assert gov.tick() == 2 and not applied  # the first step's look already has a window: seen once
+    counters.advance(0.6, own_cores=1.0, other_cores=1.0)
+    assert gov.tick() == 1 and applied == [1]
 
 
 def test_a_one_check_burst_changes_nothing():
