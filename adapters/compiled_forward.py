@@ -25,6 +25,15 @@ log = logging.getLogger("kvpage.compile")
 
 #: Rows below which ``T`` and ``S`` are padded (see the module docstring).
 MIN_ROWS = 2
+#: After warm-up, evaluate only the guards that tell this process's compiled entries apart
+#: (``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``). Every later call has the
+#: warm-up's shapes and dtypes with other sizes of the dynamic ``T`` and ``S``, under
+#: inference mode, and the model is never changed while it is compiled, so no call needs a
+#: recompile: the full guard check (1.2-1.4 ms a step for SmolLM2's 30 layers, measured as
+#: "TorchDynamo Cache Lookup" in ``benchmarks/profile_steps.py``) only ever confirms the
+#: entry. Several engines in one process still get their own entries (their models differ
+#: in the differentiating guards).
+SKIP_GUARDS = os.environ.get("KVPAGE_COMPILE_GUARDS", "skip") != "all"
 #: Token counts run once at start-up, so the first real steps never wait for the compiler.
 WARM_UP_TOKENS = (16, 128, MIN_ROWS)  # distinct T and S first: equal sizes would share a symbol
 
@@ -56,6 +65,7 @@ class CompiledForward:
         self.model = model
         self.takes_logits_to_keep = takes_logits_to_keep
         self._compiled: Callable = torch.compile(self._forward, dynamic=True, backend=kvpage_inductor)
+        self.warmed_up = False
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         kwargs = dict(input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0), use_cache=False)
@@ -71,7 +81,10 @@ class CompiledForward:
             positions = torch.nn.functional.pad(positions, (0, pad_t))
         if num_rows < MIN_ROWS:
             rows = torch.nn.functional.pad(rows, (0, MIN_ROWS - num_rows))  # row 0 again; dropped below
-        return self._compiled(input_ids, positions, rows)[:num_rows]
+        if not self.warmed_up or not SKIP_GUARDS:
+            return self._compiled(input_ids, positions, rows)[:num_rows]
+        with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+            return self._compiled(input_ids, positions, rows)[:num_rows]
 
     def warm_up(self, run_probe: Callable[[Callable, int], None]) -> float:
         """Compile now: ``run_probe(self, T)`` runs one stubbed-attention forward of ``T`` tokens.
@@ -86,6 +99,7 @@ class CompiledForward:
         with torch._dynamo.config.patch(specialize_float=True):
             for num_tokens in tqdm(WARM_UP_TOKENS, desc="Compiling the model", unit="shape", leave=False):
                 run_probe(self, num_tokens)
+        self.warmed_up = True
         elapsed = time.perf_counter() - start
         log.info("model forward compiled in %.1f s (cache: %s)", elapsed, os.environ["TORCHINDUCTOR_CACHE_DIR"])
         return elapsed

@@ -19,6 +19,7 @@ from kvpage.engine import LLMEngine
 from kvpage.kv_storage import KVCacheSpec, PagedKVCache, determine_num_blocks
 from kvpage.sampler import Sampler
 from kvpage.thread_governor import governor_for
+from kvpage.malloc_tuning import keep_freed_memory
 from kvpage.threads import configure_threads, set_compute_threads
 from kvpage.tiers import attach_kv_tiers
 
@@ -200,6 +201,8 @@ def build_hf_engine(model: torch.nn.Module, tokenizer: Any, config: EngineConfig
     (a ``ValueError`` naming the reason), the model keeps its own attention."""
     num_threads = configure_threads(config.num_threads)
     runner = HFModelRunner(model, onednn_linears=config.onednn_linears)
+    if runner.device.type == "cpu":
+        keep_freed_memory()
     try:
         engine = _assemble(runner, model, tokenizer, config)
         if runner.device.type == "cpu":

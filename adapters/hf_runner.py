@@ -227,9 +227,13 @@ class HFModelRunner:
         ``forward`` if given, else the eager model."""
         probe = ProbeContext(num_real_tokens=num_tokens, track_sharing=track_sharing, record_query=record_query,
                              mask_placeholder=self._mask_placeholder)
-        ids = torch.full((num_tokens,), token, dtype=torch.long, device=self.device)
-        positions = torch.arange(first_position, first_position + num_tokens, device=self.device)
-        rows = torch.tensor([num_tokens - 1], device=self.device)
+        # Inputs made under inference mode, as execute() makes them: a compiled forward's
+        # warm-up then builds the very entry the steps use (tensors made outside it carry
+        # another dispatch key set, and the first real step compiled a second entry).
+        with torch.inference_mode():
+            ids = torch.full((num_tokens,), token, dtype=torch.long, device=self.device)
+            positions = torch.arange(first_position, first_position + num_tokens, device=self.device)
+            rows = torch.tensor([num_tokens - 1], device=self.device)
         with torch.inference_mode(), paged_step(probe):
             if forward is not None:
                 forward(ids, positions, rows)

@@ -44,7 +44,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                  use_tqdm=False)
     runner = llm.engine.runner
     execute = runner.execute
-    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True)
     seconds: list[float] = []
 
     def wanted(metadata) -> bool:
@@ -74,7 +74,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"profile_steps: no {args.phase} step matched")
         return 1
     print(f"{len(seconds)} {args.phase} steps, mean {sum(seconds) / len(seconds) * 1e3:.1f} ms (profiled)")
-    print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+    print(profiler.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=25))
     return 0
 
 

@@ -14,3 +14,8 @@ os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "16")
 # differently), and the exactness tests compare kvpage with HF generate in one process: keep
 # the thread governor off unless a test turns it on (test_thread_governor.py does).
 os.environ.setdefault("KVPAGE_THREAD_GOVERNOR", "0")
+# Inductor's C++ wrapper (kvpage's default for compiled CPU graphs, graph_passes) costs about
+# a minute of C++ compilation per model on a cold cache, and CI's cache is always cold: the
+# compiled tests run the Python wrapper, and test_compiled.py runs one family with the C++
+# wrapper on. The kernels and so the outputs are the same under either wrapper.
+os.environ.setdefault("KVPAGE_CPP_WRAPPER", "0")

@@ -27,6 +27,18 @@ def _prompts(seed: int, lengths) -> list[list[int]]:
 @pytest.mark.slow
 @pytest.mark.parametrize("family", MATRIX)
 def test_compiled_greedy_matches_hf(family):
+    _check_compiled_greedy(family)
+
+
+@pytest.mark.slow
+def test_compiled_with_cpp_wrapper_matches_hf(monkeypatch):
+    """The default outside the test suite (conftest turns it off for speed): the graph's
+    wrapper in C++, calling the kvpage custom ops through the dispatcher."""
+    monkeypatch.setenv("KVPAGE_CPP_WRAPPER", "1")
+    _check_compiled_greedy("llama")
+
+
+def _check_compiled_greedy(family: str) -> None:
     model = tiny_model(family)
     shared = _prompts(7, (12,))[0]
     prompts = _prompts(8, (1, 5, 17)) + [shared + t for t in _prompts(9, (0, 3, 6))]

@@ -190,3 +190,16 @@ def test_rewritten_graph_is_served_from_the_disk_cache(tmp_path, monkeypatch):
         undo()
         torch._dynamo.reset()
     assert counters["aot_autograd"]["autograd_cache_hit"] == 1
+
+
+def test_cpu_graphs_get_the_cpp_wrapper_unless_turned_off(monkeypatch):
+    cpu_inputs = [torch.zeros(3), 5]
+    monkeypatch.delenv("TORCHINDUCTOR_CPP_WRAPPER", raising=False)
+    monkeypatch.setenv("KVPAGE_CPP_WRAPPER", "1")
+    assert graph_passes.cpp_wrapper_patches(cpu_inputs) == {"cpp_wrapper": True}
+    assert graph_passes.cpp_wrapper_patches([torch.zeros(3, device="meta")]) == {}  # not a CPU graph
+    monkeypatch.setenv("KVPAGE_CPP_WRAPPER", "0")
+    assert graph_passes.cpp_wrapper_patches(cpu_inputs) == {}
+    monkeypatch.setenv("KVPAGE_CPP_WRAPPER", "1")
+    monkeypatch.setenv("TORCHINDUCTOR_CPP_WRAPPER", "0")  # the user's own choice wins
+    assert graph_passes.cpp_wrapper_patches(cpu_inputs) == {}
