@@ -3,8 +3,11 @@
 Attention runs as the ``kvpage::paged_attention`` custom op (``paged_attention_op``), so
 dynamo traces the whole HF forward into one graph without breaks. Shapes are dynamic in
 the token count ``T`` and the sampled-row count ``S``, so one compilation serves every
-step; both are padded up to ``MIN_ROWS`` because dynamo specialises sizes 0 and 1 (a
-second graph otherwise). Before inductor, ``graph_passes`` makes sibling oneDNN linears
+step; both are padded up to a bucket (``padded_rows``): at least ``MIN_ROWS``, because
+dynamo specialises sizes 0 and 1 (a second graph otherwise), and then to a multiple of 8
+or 64, because oneDNN builds a matmul primitive per row count of each weight shape (0.5-3 ms
+each on first use, measured per SmolLM2 linear) and a run meeting every decode batch size
+from 1 to 64 built hundreds of them; the warm-up builds those of the decode buckets. Before inductor, ``graph_passes`` makes sibling oneDNN linears
 (q/k/v, gate/up) one matmul and has the rotary tables computed once per step.
 Compilation happens once, at engine start-up (``warm_up``), and inductor's caches live on
 disk under ``$KVPAGE_CACHE/inductor`` (``~/.cache/kvpage``), so a restart reuses the
@@ -36,6 +39,17 @@ MIN_ROWS = 2
 SKIP_GUARDS = os.environ.get("KVPAGE_COMPILE_GUARDS", "skip") != "all"
 #: Token counts run once at start-up, so the first real steps never wait for the compiler.
 WARM_UP_TOKENS = (16, 128, MIN_ROWS)  # distinct T and S first: equal sizes would share a symbol
+#: Row-count buckets: multiples of the first up to the second, then of the third.
+SMALL_BUCKET, SMALL_LIMIT, LARGE_BUCKET = 8, 512, 64
+
+
+def padded_rows(n: int) -> int:
+    """The bucket a step of ``n`` token (or sampled) rows is padded to (see the module
+    docstring): padded rows cost little, a matmul at 34 rows takes as long as at 40."""
+    if n <= MIN_ROWS:
+        return MIN_ROWS
+    step = SMALL_BUCKET if n <= SMALL_LIMIT else LARGE_BUCKET
+    return -(-n // step) * step
 
 
 def _use_disk_cache() -> None:
@@ -75,19 +89,22 @@ class CompiledForward:
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         num_rows = rows.shape[0]
-        pad_t = MIN_ROWS - input_ids.shape[0]
+        pad_t = padded_rows(input_ids.shape[0]) - input_ids.shape[0]
         if pad_t > 0:
             input_ids = torch.nn.functional.pad(input_ids, (0, pad_t))
             positions = torch.nn.functional.pad(positions, (0, pad_t))
-        if num_rows < MIN_ROWS:
-            rows = torch.nn.functional.pad(rows, (0, MIN_ROWS - num_rows))  # row 0 again; dropped below
+        pad_s = padded_rows(num_rows) - num_rows
+        if pad_s > 0:
+            rows = torch.nn.functional.pad(rows, (0, pad_s))  # row 0 again; dropped below
         if not self.warmed_up or not SKIP_GUARDS:
             return self._compiled(input_ids, positions, rows)[:num_rows]
         with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
             return self._compiled(input_ids, positions, rows)[:num_rows]
 
-    def warm_up(self, run_probe: Callable[[Callable, int], None]) -> float:
-        """Compile now: ``run_probe(self, T)`` runs one stubbed-attention forward of ``T`` tokens.
+    def warm_up(self, run_probe: Callable[[Callable, int, int], None], max_decode_rows: int = 0) -> float:
+        """Compile now: ``run_probe(self, T, S)`` runs one stubbed-attention forward of ``T``
+        tokens with logits for the last ``S``. Then one such forward per decode bucket up to
+        ``max_decode_rows`` (``T = S``), so those steps find their matmul primitives built.
         Returns the seconds it took."""
         from tqdm.auto import tqdm
 
@@ -98,8 +115,10 @@ class CompiledForward:
         # starts over, which cost SmolLM2 18 s of its start-up here.
         with torch._dynamo.config.patch(specialize_float=True):
             for num_tokens in tqdm(WARM_UP_TOKENS, desc="Compiling the model", unit="shape", leave=False):
-                run_probe(self, num_tokens)
+                run_probe(self, num_tokens, 1)
         self.warmed_up = True
+        for rows in sorted({padded_rows(n) for n in range(1, max_decode_rows + 1)}):
+            run_probe(self, rows, rows)
         elapsed = time.perf_counter() - start
         log.info("model forward compiled in %.1f s (cache: %s)", elapsed, os.environ["TORCHINDUCTOR_CACHE_DIR"])
         return elapsed

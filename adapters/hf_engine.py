@@ -303,7 +303,7 @@ def _assemble(runner: HFModelRunner, model: torch.nn.Module, tokenizer: Any, con
         if runner.eager_reason is not None:
             log.info("compilation off: %s", runner.eager_reason)
         else:
-            runner.compile()
+            runner.compile(config.max_num_seqs)
     eos = eos_token_ids(model, tokenizer)
     engine = LLMEngine(runner, Sampler(config.seed, eos_token_ids=eos), tokenizer, scheduler, vocab_size(model), eos)
     attach_kv_tiers(engine, config, spec, runner.kv_cache, model)

@@ -221,10 +221,10 @@ class HFModelRunner:
 
     def probe_forward(self, num_tokens: int, forward: Optional[CompiledForward] = None,
                       track_sharing: bool = False, record_query: bool = False, first_position: int = 0,
-                      token: int = 0) -> ProbeContext:
+                      token: int = 0, sampled_rows: int = 1) -> ProbeContext:
         """A forward of ``num_tokens`` dummy tokens (all ``token``) at positions from
-        ``first_position``, attention stubbed out (layouts, memory, compilation); through
-        ``forward`` if given, else the eager model."""
+        ``first_position``, attention stubbed out (layouts, memory, compilation), logits for
+        the last ``sampled_rows``; through ``forward`` if given, else the eager model."""
         probe = ProbeContext(num_real_tokens=num_tokens, track_sharing=track_sharing, record_query=record_query,
                              mask_placeholder=self._mask_placeholder)
         # Inputs made under inference mode, as execute() makes them: a compiled forward's
@@ -233,23 +233,26 @@ class HFModelRunner:
         with torch.inference_mode():
             ids = torch.full((num_tokens,), token, dtype=torch.long, device=self.device)
             positions = torch.arange(first_position, first_position + num_tokens, device=self.device)
-            rows = torch.tensor([num_tokens - 1], device=self.device)
+            rows = torch.arange(num_tokens - sampled_rows, num_tokens, device=self.device)
         with torch.inference_mode(), paged_step(probe):
             if forward is not None:
                 forward(ids, positions, rows)
             else:
                 self.model(input_ids=ids.unsqueeze(0), position_ids=positions.unsqueeze(0), use_cache=False,
-                           kvpage_context=probe, **({"logits_to_keep": 1} if self._takes_logits_to_keep else {}))
+                           kvpage_context=probe,
+                           **({"logits_to_keep": sampled_rows} if self._takes_logits_to_keep else {}))
         return probe
 
-    def compile(self) -> float:
-        """Run every later step through ``torch.compile``; compiles now. Returns the seconds taken.
+    def compile(self, max_num_seqs: int = 0) -> float:
+        """Run every later step through ``torch.compile``; compiles now, and warms the
+        decode steps of up to ``max_num_seqs`` sequences. Returns the seconds taken.
         A model with an ``eager_reason`` (recurrent layers, DSA indexers, ALiBi folded into
         its mask) stays eager, and this returns 0."""
         if self.eager_reason is not None:
             return 0.0
         self.compiled = CompiledForward(self.model, self._takes_logits_to_keep)
-        return self.compiled.warm_up(lambda forward, n: self.probe_forward(n, forward))
+        return self.compiled.warm_up(lambda forward, n, s: self.probe_forward(n, forward, sampled_rows=s),
+                                     max_decode_rows=max_num_seqs)
 
     def bind(self, kv_cache: PagedKVCache, backend: AttentionBackend) -> None:
         """Attach the paged KV buffers (a ``PagedKVCache``, with its KV groups) and the

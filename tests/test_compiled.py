@@ -63,3 +63,28 @@ def test_enforce_eager_runs_op_by_op():
     llm = LLM(tiny_model("llama"), block_size=4, num_kv_blocks=16, max_model_len=64, enforce_eager=True)
     assert llm.engine.runner.compiled is None
     llm.restore()
+
+
+def test_row_counts_are_padded_to_buckets():
+    from kvpage.adapters.compiled_forward import padded_rows
+
+    sizes = (1, 2, 3, 8, 9, 34, 512, 513, 1509, 2048)
+    assert [padded_rows(n) for n in sizes] == [2, 2, 8, 8, 16, 40, 512, 576, 1536, 2048]
+
+
+@pytest.mark.slow
+def test_steps_after_warm_up_never_compile():
+    """The warm-up compiles the one entry every step uses (its inputs are made under inference
+    mode, as the steps' are), so the guards the steps skip would only have confirmed it."""
+    from torch._dynamo.utils import counters
+
+    llm = LLM(tiny_model("llama"), block_size=4, num_kv_blocks=64, max_num_batched_tokens=9, max_model_len=48,
+              max_num_seqs=12, enforce_eager=False)
+    try:
+        compiled_frames = counters["frames"]["ok"]
+        outs = llm.generate(_prompts(3, (1, 4, 13, 2, 30)), SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
+                            use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == 6 for o in outs)
+        assert counters["frames"]["ok"] == compiled_frames
+    finally:
+        llm.restore()
