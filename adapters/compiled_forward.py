@@ -5,16 +5,17 @@ dynamo traces the whole HF forward into one graph without breaks. Shapes are dyn
 the token count ``T`` and the sampled-row count ``S``, so one compilation serves every
 step; both are padded up to a bucket (``padded_rows``): at least ``MIN_ROWS``, because
 dynamo specialises sizes 0 and 1 (a second graph otherwise), and then to a multiple of 8
-or 64, because oneDNN builds a matmul primitive per row count of each weight shape (0.5-3 ms
-each on first use, measured per SmolLM2 linear) and a run meeting every decode batch size
-from 1 to 64 built hundreds of them; the warm-up builds those of the decode buckets. Before inductor, ``graph_passes`` makes sibling oneDNN linears
-(q/k/v, gate/up) one matmul and has the rotary tables computed once per step.
+or 64, because oneDNN builds a matmul primitive per row count of each weight shape
+(0.5-3 ms each on first use, measured per SmolLM2 linear) and a run meeting every decode
+batch size from 1 to 64 built hundreds of them; the warm-up builds those of the decode
+buckets. Before inductor, ``graph_passes`` makes sibling oneDNN linears (q/k/v, gate/up) one matmul and has the rotary tables computed once per step.
 Compilation happens once, at engine start-up (``warm_up``), and inductor's caches live on
 disk under ``$KVPAGE_CACHE/inductor`` (``~/.cache/kvpage``), so a restart reuses the
 generated code.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -96,9 +97,8 @@ class CompiledForward:
         pad_s = padded_rows(num_rows) - num_rows
         if pad_s > 0:
             rows = torch.nn.functional.pad(rows, (0, pad_s))  # row 0 again; dropped below
-        if not self.warmed_up or not SKIP_GUARDS:
-            return self._compiled(input_ids, positions, rows)[:num_rows]
-        with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+        skip = self.warmed_up and SKIP_GUARDS
+        with torch.compiler.set_stance(skip_guard_eval_unsafe=True) if skip else contextlib.nullcontext():
             return self._compiled(input_ids, positions, rows)[:num_rows]
 
     def warm_up(self, run_probe: Callable[[Callable, int, int], None], max_decode_rows: int = 0) -> float:
@@ -116,9 +116,9 @@ class CompiledForward:
         with torch._dynamo.config.patch(specialize_float=True):
             for num_tokens in tqdm(WARM_UP_TOKENS, desc="Compiling the model", unit="shape", leave=False):
                 run_probe(self, num_tokens, 1)
-        self.warmed_up = True
-        for rows in sorted({padded_rows(n) for n in range(1, max_decode_rows + 1)}):
-            run_probe(self, rows, rows)
+            for rows in sorted({padded_rows(n) for n in range(1, max_decode_rows + 1)}):
+                run_probe(self, rows, rows)
+        self.warmed_up = True  # guards are checked in full until here (see SKIP_GUARDS)
         elapsed = time.perf_counter() - start
         log.info("model forward compiled in %.1f s (cache: %s)", elapsed, os.environ["TORCHINDUCTOR_CACHE_DIR"])
         return elapsed

@@ -17,9 +17,9 @@ from kvpage.core.kv_groups import KVCacheGroups
 from kvpage.core.scheduler import Scheduler
 from kvpage.engine import LLMEngine
 from kvpage.kv_storage import KVCacheSpec, PagedKVCache, determine_num_blocks
+from kvpage.malloc_tuning import keep_freed_memory
 from kvpage.sampler import Sampler
 from kvpage.thread_governor import governor_for
-from kvpage.malloc_tuning import keep_freed_memory
 from kvpage.threads import configure_threads, set_compute_threads
 from kvpage.tiers import attach_kv_tiers
 
