@@ -15,7 +15,6 @@ generated code.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
@@ -36,7 +35,8 @@ MIN_ROWS = 2
 #: recompile: the full guard check (1.2-1.4 ms a step for SmolLM2's 30 layers, measured as
 #: "TorchDynamo Cache Lookup" in ``benchmarks/profile_steps.py``) only ever confirms the
 #: entry. Several engines in one process still get their own entries (their models differ
-#: in the differentiating guards).
+#: in the differentiating guards). Should global state the guards cover change anyway (a
+#: caller's ``torch.set_num_threads``), the call falls back to full guards (``__call__``).
 SKIP_GUARDS = os.environ.get("KVPAGE_COMPILE_GUARDS", "skip") != "all"
 #: Token counts run once at start-up, so the first real steps never wait for the compiler.
 WARM_UP_TOKENS = (16, 128, MIN_ROWS)  # distinct T and S first: equal sizes would share a symbol
@@ -81,6 +81,7 @@ class CompiledForward:
         self.takes_logits_to_keep = takes_logits_to_keep
         self._compiled: Callable = torch.compile(self._forward, dynamic=True, backend=kvpage_inductor)
         self.warmed_up = False
+        self.skip_guards = SKIP_GUARDS  # cleared for good if a skipping call would have recompiled
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         kwargs = dict(input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0), use_cache=False)
@@ -97,9 +98,21 @@ class CompiledForward:
         pad_s = padded_rows(num_rows) - num_rows
         if pad_s > 0:
             rows = torch.nn.functional.pad(rows, (0, pad_s))  # row 0 again; dropped below
-        skip = self.warmed_up and SKIP_GUARDS
-        with torch.compiler.set_stance(skip_guard_eval_unsafe=True) if skip else contextlib.nullcontext():
-            return self._compiled(input_ids, positions, rows)[:num_rows]
+        if self.warmed_up and self.skip_guards:
+            try:
+                with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+                    return self._compiled(input_ids, positions, rows)[:num_rows]
+            except RuntimeError as exc:
+                # Raised before the graph runs, so the call can be made again. Global state
+                # the guards cover changed after warm-up (the caller's torch thread count,
+                # default dtype, grad mode...): from here on every call checks its guards.
+                if "skip_guard_eval_unsafe" not in str(exc):
+                    raise
+                self.skip_guards = False
+                log.warning("a step needed a new compiled entry (torch's global state changed after warm-up: "
+                            "%s); compiling it, and checking guards on every step from now on",
+                            str(exc).splitlines()[0])
+        return self._compiled(input_ids, positions, rows)[:num_rows]
 
     def warm_up(self, run_probe: Callable[[Callable, int, int], None], max_decode_rows: int = 0) -> float:
         """Compile now: ``run_probe(self, T, S)`` runs one stubbed-attention forward of ``T``

@@ -207,7 +207,12 @@ def build_hf_engine(model: torch.nn.Module, tokenizer: Any, config: EngineConfig
         engine = _assemble(runner, model, tokenizer, config)
         if runner.device.type == "cpu":
             engine.compute_threads = num_threads
-            engine.thread_governor = governor_for(config.num_threads, num_threads, set_compute_threads)
+            if runner.compiled is None:
+                engine.thread_governor = governor_for(config.num_threads, num_threads, set_compute_threads)
+            else:
+                # Inductor's kernels keep the thread count they were compiled with, and the
+                # graph is guarded on torch's count: a new count would recompile mid-run.
+                log.info("thread governor off: compiled graphs keep %d compute threads", num_threads)
         return engine
     except BaseException:
         runner.restore()

@@ -10,9 +10,10 @@ numba to the cores left over, rounded, between 1 and the engine's configured cou
 count must be seen on two checks in a row before it applies, so a short burst elsewhere
 does not make it flap.
 
-Only when the engine sized its threads itself (no ``num_threads`` given) and
-``KVPAGE_THREAD_GOVERNOR`` is not ``0``; Linux only. Compiled graphs keep the thread
-count they were compiled with, so the governor mainly helps eager mode. Torch-free at import.
+Only when the engine sized its threads itself (no ``num_threads`` given), runs the model
+eager, and ``KVPAGE_THREAD_GOVERNOR`` is not ``0``; Linux only. A compiled graph keeps the
+thread count it was compiled with (inductor's kernels fix it, and dynamo's guards would
+recompile on a new one), so compiled engines run without a governor. Torch-free at import.
 """
 from __future__ import annotations
 

@@ -59,6 +59,28 @@ def _check_compiled_greedy(family: str) -> None:
         llm.restore()
 
 
+@pytest.mark.slow
+def test_thread_count_change_after_warm_up_recompiles_instead_of_failing():
+    """Dynamo guards the graph on torch's thread count. A compiled engine runs no thread
+    governor, but an embedder may still change the count: the step that meets the new count
+    recompiles (with guards checked from then on) and no request fails."""
+    llm = LLM(tiny_model("llama"), block_size=4, num_kv_blocks=64, max_model_len=48, enforce_eager=False)
+    threads = torch.get_num_threads()
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    prompts = _prompts(4, (3, 9))
+    try:
+        assert llm.engine.thread_governor is None
+        before = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        torch.set_num_threads(1 if threads > 1 else 2)
+        after = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].finish_reason for o in after] == ["length", "length"]
+        assert [o.outputs[0].token_ids for o in after] == before
+        assert not llm.engine.runner.compiled.skip_guards
+    finally:
+        torch.set_num_threads(threads)
+        llm.restore()
+
+
 def test_enforce_eager_runs_op_by_op():
     llm = LLM(tiny_model("llama"), block_size=4, num_kv_blocks=16, max_model_len=64, enforce_eager=True)
     assert llm.engine.runner.compiled is None
