@@ -3,7 +3,8 @@
 #   1. PTX/SASS compile report (registers, spills) for sm_90,
 #   2. the real-GPU tests (pytest -m gpu),
 #   3. the kernel microbenchmarks (Numba vs torch SDPA; SDPA rows skip without CUDA torch),
-#   4. decode bandwidth as a fraction of device peak (goal >= 0.80 at context >= 2k).
+#   4. decode bandwidth as a fraction of device peak (goal >= 0.80 at context >= 2k),
+#   5. the host's cost per paged_attention call, and where it goes.
 # Usage: benchmarks/gpu_check.sh   (PYTHON=/path/to/python to choose the interpreter)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -35,12 +36,16 @@ except OSError:
     raise SystemExit(0)
 for b in data["benchmarks"]:
     info = b["extra_info"]
-    keys = ("backend", "batch", "context", "kv_heads", "block_size", "num_tokens", "kernel_us", "gbps", "frac_peak", "tflops")
+    keys = ("backend", "batch", "context", "kv_heads", "block_size", "num_tokens", "kernel_us", "call_us", "gbps",
+            "frac_peak", "tflops")
     print(b["name"], {k: round(v, 3) if isinstance(v, float) else v for k, v in info.items() if k in keys})
 PY
 
 step "decode bandwidth vs peak"
 timeout 90 "$PY" benchmarks/bench_cuda.py || status=1
+
+step "host cost of one paged_attention call"
+timeout 60 "$PY" benchmarks/cuda_call_overhead.py || status=1
 
 echo; echo "gpu_check: $([[ $status == 0 ]] && echo OK || echo FAILURES)"
 exit $status

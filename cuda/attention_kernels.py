@@ -1,11 +1,12 @@
-"""Numba CUDA kernels for paged attention: one tiled kernel for decode and prefill, plus a
-split-K merge kernel.
+"""Numba CUDA kernels for paged attention: the tiled kernel for prefill rows, and the
+split-K merge kernel that both it and the decode kernel feed.
 
 Nothing here compiles at import time: ``attention_kernel`` and ``merge_kernel`` build a
 ``cuda.jit`` dispatcher per compile-time configuration on first call (cached), and the
 dispatcher compiles per argument dtypes on its first launch.
 
-Work decomposition (``attention_kernel``): one CUDA block per
+Decode steps use ``decode_kernels.decode_kernel``; ``attention_kernel`` serves prefill rows
+(and any row tile). Work decomposition (``attention_kernel``): one CUDA block per
 ``(sequence, row tile) x kv_head x split``. A *row* is one (query token, query head)
 pair of the GQA group that reads ``kv_head``; a block owns ``rows`` consecutive rows of
 its sequence (token-major, head-minor), so a decode block (``rows == group``) holds every
@@ -25,7 +26,7 @@ from functools import lru_cache
 
 # Module-level so the simulator can swap ``cuda`` in the kernels' globals; this module is
 # imported only by the launch wrappers, never by ``kvpage.cuda`` itself.
-from numba import cuda, float32, int64
+from numba import cuda, float32, int32, int64
 
 # Kernel arguments that are flags use these conventions (runtime values, uniform per launch):
 #   window == 0: no sliding window; softcap == 0.0: no softcap; has_sinks == 0: no sinks.
@@ -74,6 +75,8 @@ def attention_kernel(rows: int, head_dim: int, group: int, tile: int, threads: i
         l_s = cuda.shared.array(R, float32)
         a_s = cuda.shared.array(R, float32)
         acc = cuda.local.array(PAIRS, float32)
+        tb_s = cuda.shared.array(TILE, int32)  # cache block of each key of the tile
+        to_s = cuda.shared.array(TILE, int32)  # and its offset in that block
 
         tid = cuda.threadIdx.x
         cap = float32(softcap)  # fp32 once: keeps fp64 out of the inner loops
@@ -90,7 +93,7 @@ def attention_kernel(rows: int, head_dim: int, group: int, tile: int, threads: i
         n_rows = min(int64(R), q_len * G - row0)
         if n_rows <= 0:
             return  # whole block past this sequence's rows (ragged batch padding)
-        block_size = key_cache.shape[1]
+        block_size = int32(key_cache.shape[1])
         first_pos = ctx - q_len + row0 // G
         last_pos = ctx - q_len + (row0 + n_rows - 1) // G
 
@@ -126,19 +129,25 @@ def attention_kernel(rows: int, head_dim: int, group: int, tile: int, threads: i
 
         t0 = kbeg
         while t0 < kend:
-            # 1) K/V tile -> shared (fp32); tokens past kend become zeros.
+            # 1) K/V tile -> shared (fp32); tokens past kend become zeros. One integer
+            #    division per key, not per element, finds its cache block and offset.
+            e = tid
+            while e < TILE:
+                j = int32(t0 + e)
+                b = j // block_size
+                tb_s[e] = block_tables[seq, b] if j < kend else 0
+                to_s[e] = j - b * block_size
+                e += NT
+            cuda.syncthreads()
             e = tid
             while e < TILE * D:
                 t = e // D
                 d = e % D
-                j = t0 + t
                 kv = float32(0.0)
                 vv = float32(0.0)
-                if j < kend:
-                    blk = int64(block_tables[seq, j // block_size])
-                    off = j % block_size
-                    kv = float32(key_cache[blk, off, kv_head, d])
-                    vv = float32(value_cache[blk, off, kv_head, d])
+                if t0 + t < kend:
+                    kv = float32(key_cache[tb_s[t], to_s[t], kv_head, d])
+                    vv = float32(value_cache[tb_s[t], to_s[t], kv_head, d])
                 k_s[t, d] = kv
                 v_s[t, d] = vv
                 e += NT

@@ -17,7 +17,7 @@ from typing import Any, Optional
 import numpy as np
 
 from . import interop
-from .launch_config import choose_splits, choose_tile, prefill_rows
+from .launch_config import choose_decode_tiles, choose_splits, choose_tile, prefill_rows
 
 _FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32))
 _DEFAULT_THREADS = 128
@@ -132,7 +132,9 @@ def paged_attention(
     synchronising copy). ``max_prefill_query_len`` is the longest query after the decodes.
 
     Args beyond the reference contract:
-        num_splits: decode split-K factor (None: chosen from the SM count; 1: no merge).
+        num_splits: decode split-K factor (None: chosen from the SM count; 1: no merge). The
+            decode kernel keeps at most ``launch_config.MAX_DECODE_PARTITION`` keys per block,
+            so a longer context gets the splits it needs beyond this number.
         stream: stream to launch on (default: the arrays' library's current stream).
         threads_per_block, kv_tile: tuning knobs (defaults: 128 threads, the largest tile
             fitting 46 KiB of shared memory; tiny values keep the simulator fast).
@@ -152,6 +154,7 @@ def paged_attention(
         max_decode_ctx = min(max_decode_ctx, window)
 
     from .attention_kernels import attention_kernel, merge_kernel  # numba.cuda loads here, not before
+    from .decode_kernels import decode_kernel
 
     _prepare()
     launch_stream = interop.resolve_stream(stream, (q, key_cache))
@@ -163,9 +166,10 @@ def paged_attention(
                            threads_per_block or (_SIM_THREADS if interop.simulator_enabled() else _DEFAULT_THREADS))
     group = num_heads // num_kv_heads
     if num_decodes:
-        tile = kv_tile or choose_tile(group, head_dim)
-        splits, partition = choose_splits(num_decodes * num_kv_heads, max_decode_ctx, tile, _num_sms(), num_splits)
-        launch.decode(attention_kernel(group, head_dim, group, tile, launch.threads), merge_kernel,
+        tile, max_partition = choose_decode_tiles(group, head_dim, launch.threads, kv_tile)
+        splits, partition = choose_splits(num_decodes * num_kv_heads, max_decode_ctx, tile, _num_sms(), num_splits,
+                                          max_partition)
+        launch.decode(decode_kernel(head_dim, group, tile, max_partition, launch.threads), merge_kernel,
                       num_decodes, num_kv_heads, num_heads, head_dim, splits, partition)
     if num_seqs > num_decodes and max_prefill_query_len:
         rows = prefill_rows(group, 4 if interop.simulator_enabled() else 16)
@@ -252,13 +256,13 @@ class _Launch:
         """Split-K decode over ``splits`` context partitions, merged by log-sum-exp when > 1."""
         grid = (num_decodes, num_kv_heads, splits)
         if splits == 1:
-            kernel[grid, self.threads, self.stream](*self.common, 0, 1, *self.flags, partition, 0, self.out_arg,
+            kernel[grid, self.threads, self.stream](*self.common, *self.flags, partition, 0, self.out_arg,
                                                     *self.no_parts)
             return
         part_max = self.scratch((num_decodes, num_heads, splits))
         part_sum = self.scratch((num_decodes, num_heads, splits))
         part_acc = self.scratch((num_decodes, num_heads, splits, head_dim))
-        kernel[grid, self.threads, self.stream](*self.common, 0, 1, *self.flags, partition, 1, self.out_arg,
+        kernel[grid, self.threads, self.stream](*self.common, *self.flags, partition, 1, self.out_arg,
                                                 part_max, part_sum, part_acc)
         merge_threads = min(self.threads, head_dim)
         sinks_arg, has_sinks = self.flags[3], self.flags[4]

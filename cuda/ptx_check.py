@@ -43,6 +43,7 @@ def _signatures():
     from numba.cuda import types as T
 
     from .attention_kernels import attention_kernel, merge_kernel
+    from .decode_kernels import decode_kernel
     from .store_kernels import store_kernel
 
     def arr(dtype, ndim):
@@ -52,14 +53,19 @@ def _signatures():
     out = []
     for dt_name, dt in (("fp16", T.float16), ("fp32", T.float32)):
         # (label, rows, head_dim, group, tile, threads): decode and prefill shapes of real models.
-        for label, rows, d, g, tile, nt in (("decode_g8_d128", 8, 128, 8, 32, 128),
-                                            ("decode_g1_d64", 1, 64, 1, 64, 128),
+        for label, rows, d, g, tile, nt in (("rows8_g8_d128", 8, 128, 8, 32, 128),
                                             ("prefill_g4_d128", 16, 128, 4, 16, 128)):
             kern = attention_kernel(rows, d, g, tile, nt)
             sig = (arr(dt, 3), arr(dt, 4), arr(dt, 4), arr(i32, 1), arr(i32, 1), arr(i32, 2),
                    i64, i64, f64, i64, f64, arr(f32, 1), i64, i64, i64, arr(dt, 3),
                    arr(f32, 3), arr(f32, 3), arr(f32, 4))
             out.append((f"attention_{label}_{dt_name}", kern.py_func, sig))
+        # (label, head_dim, group, key_tile, max_partition, threads): decode shapes of real models.
+        for label, d, g, kt, part, nt in (("g4_d128", 128, 4, 32, 512, 128), ("g8_d128", 128, 8, 32, 512, 128),
+                                          ("g1_d64", 64, 1, 32, 512, 128), ("g16_d256", 256, 16, 16, 128, 128)):
+            sig = (arr(dt, 3), arr(dt, 4), arr(dt, 4), arr(i32, 1), arr(i32, 1), arr(i32, 2), f64, i64, f64,
+                   arr(f32, 1), i64, i64, i64, arr(dt, 3), arr(f32, 3), arr(f32, 3), arr(f32, 4))
+            out.append((f"decode_{label}_{dt_name}", decode_kernel(d, g, kt, part, nt).py_func, sig))
         merge = merge_kernel(128, 128)
         out.append((f"merge_d128_{dt_name}", merge.py_func,
                     (arr(f32, 3), arr(f32, 3), arr(f32, 4), i64, arr(f32, 1), i64, i64, arr(dt, 3))))

@@ -170,6 +170,9 @@ CASES: dict[str, Callable[[], str]] = {
     "decode_default_tile_and_splits_fp32": lambda: check_attention(_decode([5, 9], 4, 2, 8, F32, 8)),
     "decode_odd_threads_fp32": lambda: check_attention(_decode([6, 3], 4, 2, 8, F32, 9), num_splits=2, kv_tile=4,
                                                        threads_per_block=12),
+    # Fewer threads than head_dim: each thread owns two elements d in the value pass.
+    "decode_threads_below_head_dim_fp16": lambda: check_attention(_decode([5, 13], 4, 2, 32, F16, 17), num_splits=2,
+                                                                  kv_tile=4, softcap=2.0),
     "prefill_full_fp32_block_edges": lambda: check_attention(
         Batch([(n, n) for n in EDGE_LENS[1:]], 2, 2, 8, F32, 10), kv_tile=4),
     "prefill_prefix_hit_gqa_fp32": lambda: check_attention(

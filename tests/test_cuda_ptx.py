@@ -13,7 +13,8 @@ from _cuda_subprocess import run_json_lines
 pytest.importorskip("numba")
 
 EXPECTED = {f"{kind}_{dt}" for dt in ("fp16", "fp32") for kind in (
-    "attention_decode_g8_d128", "attention_decode_g1_d64", "attention_prefill_g4_d128", "merge_d128", "store_kv")}
+    "attention_rows8_g8_d128", "attention_prefill_g4_d128", "decode_g4_d128", "decode_g8_d128", "decode_g1_d64",
+    "decode_g16_d256", "merge_d128", "store_kv")}
 
 
 @pytest.fixture(scope="module")
