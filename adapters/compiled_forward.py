@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -114,23 +114,36 @@ class CompiledForward:
                             str(exc).splitlines()[0])
         return self._compiled(input_ids, positions, rows)[:num_rows]
 
-    def warm_up(self, run_probe: Callable[[Callable, int, int], None], max_decode_rows: int = 0) -> float:
+    def warm_up(self, run_probe: Callable[[Callable, int, int], None], max_decode_rows: int = 0,
+                other_thread_counts: Sequence[int] = ()) -> float:
         """Compile now: ``run_probe(self, T, S)`` runs one stubbed-attention forward of ``T``
         tokens with logits for the last ``S``. Then one such forward per decode bucket up to
         ``max_decode_rows`` (``T = S``), so those steps find their matmul primitives built.
-        Returns the seconds it took."""
+        Then, for each of ``other_thread_counts``, the same under that many compute threads:
+        dynamo guards the graph on torch's thread count, so each count a thread governor may
+        switch to needs its own entry (compiled now rather than mid-run). Returns the seconds
+        it took."""
         from tqdm.auto import tqdm
+
+        from kvpage.threads import set_compute_threads
 
         start = time.perf_counter()
         log.info("compiling the model forward with torch.compile (inductor); this takes a while on first use")
+        counts = [torch.get_num_threads(), *other_thread_counts]
+        shapes = [(c, n) for c in counts for n in WARM_UP_TOKENS]
         # Python floats (the layers' attention scales) stay constants of the graph: traced as
         # symbols, inductor's scalar pass gives up on them after a whole compile and dynamo
         # starts over, which cost SmolLM2 18 s of its start-up here.
-        with torch._dynamo.config.patch(specialize_float=True):
-            for num_tokens in tqdm(WARM_UP_TOKENS, desc="Compiling the model", unit="shape", leave=False):
-                run_probe(self, num_tokens, 1)
-            for rows in sorted({padded_rows(n) for n in range(1, max_decode_rows + 1)}):
-                run_probe(self, rows, rows)
+        try:
+            with torch._dynamo.config.patch(specialize_float=True):
+                for count, num_tokens in tqdm(shapes, desc="Compiling the model", unit="shape", leave=False):
+                    set_compute_threads(count)
+                    run_probe(self, num_tokens, 1)
+                    if num_tokens == WARM_UP_TOKENS[-1]:
+                        for rows in sorted({padded_rows(n) for n in range(1, max_decode_rows + 1)}):
+                            run_probe(self, rows, rows)
+        finally:
+            set_compute_threads(counts[0])
         self.warmed_up = True  # guards are checked in full until here (see SKIP_GUARDS)
         elapsed = time.perf_counter() - start
         log.info("model forward compiled in %.1f s (cache: %s)", elapsed, os.environ["TORCHINDUCTOR_CACHE_DIR"])

@@ -19,7 +19,7 @@ from kvpage.engine import LLMEngine
 from kvpage.kv_storage import KVCacheSpec, PagedKVCache, determine_num_blocks
 from kvpage.malloc_tuning import keep_freed_memory
 from kvpage.sampler import Sampler
-from kvpage.thread_governor import governor_for
+from kvpage.thread_governor import governor_for, governor_wanted
 from kvpage.threads import configure_threads, set_compute_threads
 from kvpage.tiers import attach_kv_tiers
 
@@ -203,16 +203,17 @@ def build_hf_engine(model: torch.nn.Module, tokenizer: Any, config: EngineConfig
     runner = HFModelRunner(model, onednn_linears=config.onednn_linears)
     if runner.device.type == "cpu":
         keep_freed_memory()
+    # A compiled graph keeps the thread count it was compiled with (see thread_governor):
+    # the governor of a compiled engine moves between this count and one thread fewer, and
+    # both get their compiled entry at start-up.
+    governed = runner.device.type == "cpu" and governor_wanted(config.num_threads, num_threads)
+    fallback_threads = (num_threads - 1,) if governed else ()
     try:
-        engine = _assemble(runner, model, tokenizer, config)
+        engine = _assemble(runner, model, tokenizer, config, fallback_threads)
         if runner.device.type == "cpu":
             engine.compute_threads = num_threads
-            if runner.compiled is None:
-                engine.thread_governor = governor_for(config.num_threads, num_threads, set_compute_threads)
-            else:
-                # Inductor's kernels keep the thread count they were compiled with, and the
-                # graph is guarded on torch's count: a new count would recompile mid-run.
-                log.info("thread governor off: compiled graphs keep %d compute threads", num_threads)
+            counts = None if runner.compiled is None else (num_threads, *fallback_threads)
+            engine.thread_governor = governor_for(config.num_threads, num_threads, set_compute_threads, counts)
         return engine
     except BaseException:
         runner.restore()
@@ -271,7 +272,8 @@ def exact_length_limit(model: torch.nn.Module) -> Optional[ExactLengthLimit]:
     return None
 
 
-def _assemble(runner: HFModelRunner, model: torch.nn.Module, tokenizer: Any, config: EngineConfig) -> LLMEngine:
+def _assemble(runner: HFModelRunner, model: torch.nn.Module, tokenizer: Any, config: EngineConfig,
+              other_thread_counts: tuple = ()) -> LLMEngine:
     limit = model_max_len(model)
     max_model_len = config.max_model_len or limit
     if max_model_len > limit:
@@ -308,7 +310,7 @@ def _assemble(runner: HFModelRunner, model: torch.nn.Module, tokenizer: Any, con
         if runner.eager_reason is not None:
             log.info("compilation off: %s", runner.eager_reason)
         else:
-            runner.compile(config.max_num_seqs)
+            runner.compile(config.max_num_seqs, other_thread_counts)
     eos = eos_token_ids(model, tokenizer)
     engine = LLMEngine(runner, Sampler(config.seed, eos_token_ids=eos), tokenizer, scheduler, vocab_size(model), eos)
     attach_kv_tiers(engine, config, spec, runner.kv_cache, model)

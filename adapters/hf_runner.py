@@ -13,7 +13,7 @@ their states gathered from and stored back to the state slots (``recurrent_state
 from __future__ import annotations
 
 import inspect
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -243,16 +243,17 @@ class HFModelRunner:
                            **({"logits_to_keep": sampled_rows} if self._takes_logits_to_keep else {}))
         return probe
 
-    def compile(self, max_num_seqs: int = 0) -> float:
+    def compile(self, max_num_seqs: int = 0, other_thread_counts: Sequence[int] = ()) -> float:
         """Run every later step through ``torch.compile``; compiles now, and warms the
-        decode steps of up to ``max_num_seqs`` sequences. Returns the seconds taken.
+        decode steps of up to ``max_num_seqs`` sequences, at the current thread count and at
+        each of ``other_thread_counts``. Returns the seconds taken.
         A model with an ``eager_reason`` (recurrent layers, DSA indexers, ALiBi folded into
         its mask) stays eager, and this returns 0."""
         if self.eager_reason is not None:
             return 0.0
         self.compiled = CompiledForward(self.model, self._takes_logits_to_keep)
         return self.compiled.warm_up(lambda forward, n, s: self.probe_forward(n, forward, sampled_rows=s),
-                                     max_decode_rows=max_num_seqs)
+                                     max_decode_rows=max_num_seqs, other_thread_counts=other_thread_counts)
 
     def bind(self, kv_cache: PagedKVCache, backend: AttentionBackend) -> None:
         """Attach the paged KV buffers (a ``PagedKVCache``, with its KV groups) and the

@@ -10,10 +10,11 @@ numba to the cores left over, rounded, between 1 and the engine's configured cou
 count must be seen on two checks in a row before it applies, so a short burst elsewhere
 does not make it flap.
 
-Only when the engine sized its threads itself (no ``num_threads`` given), runs the model
-eager, and ``KVPAGE_THREAD_GOVERNOR`` is not ``0``; Linux only. A compiled graph keeps the
-thread count it was compiled with (inductor's kernels fix it, and dynamo's guards would
-recompile on a new one), so compiled engines run without a governor. Torch-free at import.
+Only when the engine sized its threads itself (no ``num_threads`` given) and
+``KVPAGE_THREAD_GOVERNOR`` is not ``0``; Linux only. A compiled graph keeps the thread
+count it was compiled with (inductor's kernels fix it, and dynamo guards on it), so a
+compiled engine compiles a second entry at start-up for one thread fewer and its governor
+moves only between those two counts (``counts``): never a compile mid-run. Torch-free at import.
 """
 from __future__ import annotations
 
@@ -56,14 +57,24 @@ def threads_for(num_cpus: int, others_busy_cores: float, max_threads: int) -> in
     return max(1, min(max_threads, int(free + 0.5)))
 
 
+def nearest_allowed(target: int, counts: Optional[Sequence[int]]) -> int:
+    """``target`` itself, or with ``counts`` the largest of them not above it (else the smallest)."""
+    if not counts:
+        return target
+    below = [c for c in counts if c <= target]
+    return max(below) if below else min(counts)
+
+
 class ThreadGovernor:
-    """Call ``tick()`` between steps; it adjusts ``apply(count)`` at most every ``interval_s``."""
+    """Call ``tick()`` between steps; it adjusts ``apply(count)`` at most every ``interval_s``,
+    to one of ``counts`` when given (the thread counts a compiled graph has entries for)."""
 
     def __init__(self, max_threads: int, apply: Callable[[int], None], cpus: Optional[Sequence[int]] = None,
                  interval_s: float = CHECK_INTERVAL_S, clock: Callable[[], float] = time.monotonic,
                  read_busy: Callable[[Sequence[int]], int] = read_cpu_busy_ticks,
-                 read_own: Callable[[], int] = read_own_ticks) -> None:
+                 read_own: Callable[[], int] = read_own_ticks, counts: Optional[Sequence[int]] = None) -> None:
         self.max_threads = max_threads
+        self.counts = tuple(sorted(set(counts))) if counts else None
         self.current = max_threads
         self._apply = apply
         self._cpus = list(cpus if cpus is not None else sorted(os.sched_getaffinity(0)))
@@ -86,7 +97,7 @@ class ThreadGovernor:
         sample = self._last = self._sample()
         seconds = sample[0] - previous[0]
         others = ((sample[1] - previous[1]) - (sample[2] - previous[2])) / (self._hz * seconds)
-        target = threads_for(len(self._cpus), others, self.max_threads)
+        target = nearest_allowed(threads_for(len(self._cpus), others, self.max_threads), self.counts)
         if target == self.current:
             self._pending = None
         elif target == self._pending:
@@ -100,13 +111,21 @@ class ThreadGovernor:
         return self.current
 
 
-def governor_for(requested: Optional[int], count: int, apply: Callable[[int], None]) -> Optional[ThreadGovernor]:
-    """A governor when the engine chose ``count`` itself and the platform allows one, else None."""
+def governor_wanted(requested: Optional[int], count: int) -> bool:
+    """Whether an engine that resolved ``count`` threads (the user asked for ``requested``)
+    gets a governor: it chose the count itself, there is a count to lower, and the platform
+    and ``KVPAGE_THREAD_GOVERNOR`` allow it."""
     if requested is not None or os.environ.get("KVPAGE_NUM_THREADS") or count < 2:
-        return None
-    if os.environ.get("KVPAGE_THREAD_GOVERNOR", "1") == "0" or not os.path.exists("/proc/self/stat"):
+        return False
+    return os.environ.get("KVPAGE_THREAD_GOVERNOR", "1") != "0" and os.path.exists("/proc/self/stat")
+
+
+def governor_for(requested: Optional[int], count: int, apply: Callable[[int], None],
+                 counts: Optional[Sequence[int]] = None) -> Optional[ThreadGovernor]:
+    """A governor when ``governor_wanted``, else None; ``counts`` as ``ThreadGovernor``'s."""
+    if not governor_wanted(requested, count):
         return None
     try:
-        return ThreadGovernor(count, apply)
+        return ThreadGovernor(count, apply, counts=counts)
     except (OSError, AttributeError):
         return None

@@ -81,6 +81,38 @@ def test_thread_count_change_after_warm_up_recompiles_instead_of_failing():
         llm.restore()
 
 
+@pytest.mark.slow
+def test_governed_compiled_engine_has_an_entry_for_one_thread_fewer(monkeypatch):
+    """With a thread governor, the warm-up also compiles the graph at one thread fewer, so
+    the governor's switch under a busy neighbour never compiles mid-run."""
+    from torch._dynamo.utils import counters
+
+    from kvpage.threads import configure_threads
+
+    if configure_threads(None) < 2:
+        pytest.skip("one CPU: nothing for a governor to lower")
+    monkeypatch.setenv("KVPAGE_THREAD_GOVERNOR", "1")
+    monkeypatch.delenv("KVPAGE_NUM_THREADS", raising=False)
+    llm = LLM(tiny_model("llama"), block_size=4, num_kv_blocks=64, max_model_len=48, max_num_seqs=4,
+              enforce_eager=False)
+    threads = torch.get_num_threads()
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    prompts = _prompts(5, (3, 9))
+    try:
+        governor = llm.engine.thread_governor
+        assert governor is not None and governor.counts == (threads - 1, threads)
+        before = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        frames = counters["frames"]["ok"]
+        torch.set_num_threads(threads - 1)  # what the governor's apply does
+        after = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert after == before
+        assert counters["frames"]["ok"] == frames  # no compile: the entry was there
+        assert llm.engine.runner.compiled.skip_guards
+    finally:
+        torch.set_num_threads(threads)
+        llm.restore()
+
+
 def test_enforce_eager_runs_op_by_op():
     llm = LLM(tiny_model("llama"), block_size=4, num_kv_blocks=16, max_model_len=64, enforce_eager=True)
     assert llm.engine.runner.compiled is None

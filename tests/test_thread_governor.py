@@ -5,7 +5,8 @@ import os
 
 import pytest
 
-from kvpage.thread_governor import ThreadGovernor, governor_for, read_cpu_busy_ticks, read_own_ticks, threads_for
+from kvpage.thread_governor import (ThreadGovernor, governor_for, nearest_allowed, read_cpu_busy_ticks, read_own_ticks,
+                                   threads_for)
 
 
 def test_threads_for_rounds_the_free_cores():
@@ -107,3 +108,23 @@ def test_an_engine_ticks_its_governor_between_steps(monkeypatch):
         assert len(ticks) >= 4 and llm.stats()["compute_threads"] == gov.current
     finally:
         llm.restore()
+
+
+def test_counts_round_down_to_an_allowed_one():
+    assert nearest_allowed(5, None) == 5
+    assert nearest_allowed(5, (8, 7)) == 7  # below every allowed count: the smallest
+    assert nearest_allowed(7, (8, 7)) == 7 and nearest_allowed(8, (8, 7)) == 8
+    assert nearest_allowed(6, (2, 4, 8)) == 4
+
+
+def test_a_governor_with_counts_only_moves_between_them():
+    """A compiled engine's governor (8 threads, entries for 8 and 7): three busy cores
+    elsewhere would ask for 5 threads, and it goes to 7."""
+    counters, applied = _FakeCounters(), []
+    gov = ThreadGovernor(8, applied.append, cpus=list(range(8)), interval_s=0.5, clock=lambda: counters.now,
+                         read_busy=lambda cpus: counters.busy, read_own=lambda: counters.own, counts=(8, 7))
+    gov._hz = 100
+    for _ in range(2):
+        counters.advance(0.6, own_cores=5.0, other_cores=3.0)
+        gov.tick()
+    assert applied == [7] and gov.current == 7
