@@ -8,7 +8,7 @@ governor watches, between steps, how much of the CPUs this process may use is bu
 *other* work (``/proc/stat`` for those CPUs minus ``/proc/self/stat``), and sets torch and
 numba to the cores left over, rounded, between 1 and the engine's configured count. A new
 count must be seen on two checks in a row before it applies, so a short burst elsewhere
-does not make it flap.
+does not make it flap; only the look the engine takes when it starts applies at once.
 
 Only when the engine sized its threads itself (no ``num_threads`` given) and
 ``KVPAGE_THREAD_GOVERNOR`` is not ``0``; Linux only. A compiled graph keeps the thread
@@ -29,6 +29,9 @@ log = logging.getLogger("kvpage")
 #: neighbour that starts with the engine costs about two intervals at the old count; at
 #: 0.5 s that was a sixth of bench_e2e's few-second runs beside a busy process.
 CHECK_INTERVAL_S = 0.25
+#: Seconds of the look an engine takes when it starts (``ThreadGovernor.first_look``): the
+#: counters tick 100 times a second, so this is 40 ticks over two CPUs.
+FIRST_LOOK_S = 0.2
 _BUSY_FIELDS = (0, 1, 2, 5, 6, 7)  # user nice system irq softirq steal (idle and iowait are not busy)
 
 
@@ -94,21 +97,41 @@ class ThreadGovernor:
         if now - self._last[0] < self._interval:
             return self.current
         previous = self._last
-        sample = self._last = self._sample()
-        seconds = sample[0] - previous[0]
-        others = ((sample[1] - previous[1]) - (sample[2] - previous[2])) / (self._hz * seconds)
-        target = nearest_allowed(threads_for(len(self._cpus), others, self.max_threads), self.counts)
+        self._last = self._sample()
+        target, others = self._wanted(previous, self._last)
         if target == self.current:
             self._pending = None
         elif target == self._pending:
-            log.info("compute threads: %d -> %d (%.1f of %d CPUs busy with other work)", self.current, target,
-                     others, len(self._cpus))
-            self._apply(target)
-            self.current, self._pending = target, None
-            self.num_changes += 1
+            self._change(target, others)
         else:
             self._pending = target
         return self.current
+
+    def first_look(self, window_s: float = FIRST_LOOK_S, sleep: Callable[[float], None] = time.sleep) -> int:
+        """At start-up: watch the counters for ``window_s`` and apply the count they ask for at
+        once, without waiting for a second look; returns the count in use. An engine started
+        beside a busy neighbour otherwise ran its first two intervals at the full count, where
+        a compiled graph's spinning threads gave about a fifth of one thread's throughput."""
+        start = self._sample()
+        sleep(window_s)
+        self._last = self._sample()
+        target, others = self._wanted(start, self._last)
+        if target != self.current:
+            self._change(target, others)
+        return self.current
+
+    def _wanted(self, previous: tuple, sample: tuple) -> tuple:
+        """The count the window between two samples asks for, and the cores others kept busy."""
+        seconds = max(sample[0] - previous[0], 1e-9)
+        others = ((sample[1] - previous[1]) - (sample[2] - previous[2])) / (self._hz * seconds)
+        return nearest_allowed(threads_for(len(self._cpus), others, self.max_threads), self.counts), others
+
+    def _change(self, target: int, others: float) -> None:
+        log.info("compute threads: %d -> %d (%.1f of %d CPUs busy with other work)", self.current, target,
+                 others, len(self._cpus))
+        self._apply(target)
+        self.current, self._pending = target, None
+        self.num_changes += 1
 
 
 def governor_wanted(requested: Optional[int], count: int) -> bool:
@@ -122,10 +145,13 @@ def governor_wanted(requested: Optional[int], count: int) -> bool:
 
 def governor_for(requested: Optional[int], count: int, apply: Callable[[int], None],
                  counts: Optional[Sequence[int]] = None) -> Optional[ThreadGovernor]:
-    """A governor when ``governor_wanted``, else None; ``counts`` as ``ThreadGovernor``'s."""
+    """A governor when ``governor_wanted``, else None; ``counts`` as ``ThreadGovernor``'s. It
+    takes its first look before it returns (``FIRST_LOOK_S`` of start-up)."""
     if not governor_wanted(requested, count):
         return None
     try:
-        return ThreadGovernor(count, apply, counts=counts)
+        governor = ThreadGovernor(count, apply, counts=counts)
     except (OSError, AttributeError):
         return None
+    governor.first_look()
+    return governor

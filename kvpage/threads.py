@@ -69,17 +69,22 @@ def resolve_num_threads(requested: Optional[int] = None) -> int:
 
 
 def set_compute_threads(count: int) -> None:
-    """Set torch's and numba's thread counts (numba's applies to the calling thread)."""
-    try:
-        import torch
+    """Set numba's and torch's thread counts (numba's applies to the calling thread).
 
-        torch.set_num_threads(count)
-    except ImportError:
-        pass
+    Numba first: its first ``set_num_threads`` launches its OpenMP pool, which calls
+    ``omp_set_num_threads`` with numba's full count, and torch reads that same OpenMP
+    setting. Set the other way round, the first engine of a process asked for fewer threads
+    than CPUs ran torch on all of them."""
     try:
         import numba
 
         numba.set_num_threads(min(count, numba.config.NUMBA_NUM_THREADS))
+    except ImportError:
+        pass
+    try:
+        import torch
+
+        torch.set_num_threads(count)
     except ImportError:
         pass
 

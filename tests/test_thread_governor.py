@@ -67,6 +67,22 @@ def test_the_first_window_starts_when_the_governor_is_built():
     assert gov.tick() == 1 and applied == [1]
 
 
+def test_the_first_look_applies_at_once():
+    counters, applied = _FakeCounters(), []
+    gov = _governor(counters, applied)  # built beside a neighbour that is already busy
+    assert gov.first_look(0.2, sleep=lambda s: counters.advance(s, own_cores=0.0, other_cores=1.0)) == 1
+    assert applied == [1] and gov.num_changes == 1
+    counters.advance(0.6, own_cores=1.0, other_cores=1.0)
+    assert gov.tick() == 1  # the next window starts where the first look ended
+
+
+def test_a_first_look_at_an_idle_machine_changes_nothing():
+    counters, applied = _FakeCounters(), []
+    gov = _governor(counters, applied)
+    assert gov.first_look(0.2, sleep=lambda s: counters.advance(s, own_cores=0.5, other_cores=0.0)) == 2
+    assert not applied
+
+
 def test_a_one_check_burst_changes_nothing():
     counters, applied = _FakeCounters(), []
     gov = _governor(counters, applied)
