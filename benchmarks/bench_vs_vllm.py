@@ -5,10 +5,10 @@ of about 60, greedy, ``ignore_eos``) through each engine's ``LLM.generate``, eac
 alone in its own interpreter, one after the other; only the generate call is timed, after
 a warm-up. Online (``--online``): each engine's OpenAI server started by this script on
 127.0.0.1, one at a time, and the same streaming chat client (32 requests, 16 concurrent,
-64 output tokens each): throughput, TTFT P50 and ITL P50.
+64 output tokens each): throughput, TTFT P50 and ITL P50, for each ``--dtype`` in turn.
 
     python benchmarks/bench_vs_vllm.py --dtype float32 bfloat16
-    python benchmarks/bench_vs_vllm.py --online
+    python benchmarks/bench_vs_vllm.py --online --dtype bfloat16 float32
 
 vLLM lives in its own venv (never a dependency of kvpage's tests or CI); point
 ``--vllm-python`` (or ``KVPAGE_VLLM_PYTHON``) at its interpreter. Without it the script
@@ -194,8 +194,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     from kvpage.model_registry import resolve_model_path
 
     model_path = str(resolve_model_path(args.model))
-    result = {"online": online(model_path, args.dtype[0], peer)} if args.online else \
-        {"offline": offline(model_path, args.dtype, peer)}
+    if args.online:  # one dtype after the other, each with both servers
+        result = {"online": {}}
+        for dtype in args.dtype:
+            print(f"online, {dtype}:", flush=True)
+            result["online"][dtype] = online(model_path, dtype, peer)
+    else:
+        result = {"offline": offline(model_path, args.dtype, peer)}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=2))
     return 0
