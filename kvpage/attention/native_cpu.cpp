@@ -184,7 +184,8 @@ constexpr bool uses_bf16_dot(int64_t head_dim) { return T == kBF16 && kHaveBf16D
 // heads) for every query head into scores[hq * kPartition + j]; `qrows` are the query rows
 // as dot16 takes them (raw bf16 or scaled fp32, head-major).
 template <int T, int D16>
-void partition_scores(const DecodeArgs& a, const int64_t* offs, int64_t n, const void* qrows, float* scores) {
+void partition_scores(const DecodeArgs& a, const int64_t* offs, int64_t n, const void* qrows, float* scores,
+                      LineQueue& pq, int64_t per_call) {
   const int64_t group = a.num_heads / a.num_kv_heads, D = a.head_dim;
   const bool raw = uses_bf16_dot<T>(D);
   int64_t head_offs[16];
@@ -202,6 +203,7 @@ void partition_scores(const DecodeArgs& a, const int64_t* offs, int64_t n, const
         const void* qrow = raw ? static_cast<const void*>(static_cast<const uint16_t*>(qrows) + hq * D)
                                : static_cast<const void*>(static_cast<const float*>(qrows) + hq * D);
         scores16<T, D16>(a.key_cache, D, a.scale, raw, qrow, head_offs, m, scores + hq * kPartition + j0);
+        pq.issue(per_call);
       }
     }
   }
@@ -263,7 +265,7 @@ inline void interleave_bf16_pairs(__m512i x, __m512i y, __m512i& lo, __m512i& hi
 // run-time row count the compiler kept them on the stack, a store and reload per update.
 template <int D16, int kRows>
 void head_values_bf16(const DecodeArgs& a, const int64_t* offs, int64_t n, const float* scores, float* acc,
-                      int64_t h, int64_t hq0) {
+                      int64_t h, int64_t hq0, LineQueue& pq, int64_t per_pair) {
   const int64_t D = a.head_dim;
   const uint16_t* vc = static_cast<const uint16_t*>(a.value_cache);
   const int64_t pairs = (n + 1) / 2;
@@ -281,6 +283,7 @@ void head_values_bf16(const DecodeArgs& a, const int64_t* offs, int64_t n, const
   }
   for (int64_t jp = 0; jp < pairs; ++jp) {
     const int64_t j = 2 * jp;
+    pq.issue(per_pair);
     __m512i vv[D16];
     for (int c = 0; c < D16 / 2; ++c) {
       const __m512i x = _mm512_loadu_si512(vc + offs[j] + h * D + 32 * c);
@@ -301,15 +304,16 @@ void head_values_bf16(const DecodeArgs& a, const int64_t* offs, int64_t n, const
 // query head, token and 16 dims.
 template <int T, int D16, int kRows>
 void head_values(const DecodeArgs& a, const int64_t* offs, int64_t n, const float* scores, float* acc, int64_t h,
-                 int64_t hq0) {
+                 int64_t hq0, LineQueue& pq, int64_t per_pair) {
 #if defined(__AVX512BF16__)
-  if constexpr (T == kBF16 && D16 % 2 == 0) return head_values_bf16<D16, kRows>(a, offs, n, scores, acc, h, hq0);
+  if constexpr (T == kBF16 && D16 % 2 == 0) return head_values_bf16<D16, kRows>(a, offs, n, scores, acc, h, hq0, pq, per_pair);
 #endif
   const int64_t D = a.head_dim;
   __m512 r[kRows][D16];
   for (int g = 0; g < kRows; ++g)
     for (int c = 0; c < D16; ++c) r[g][c] = _mm512_loadu_ps(acc + (hq0 + g) * D + c * 16);
   for (int64_t j = 0; j < n; ++j) {
+    if (j % 2 == 0) pq.issue(per_pair);
     __m512 vv[D16];
     for (int c = 0; c < D16; ++c) vv[c] = load16<T>(a.value_cache, offs[j] + h * D + c * 16);
     for (int g = 0; g < kRows; ++g) {
@@ -325,17 +329,20 @@ void head_values(const DecodeArgs& a, const int64_t* offs, int64_t n, const floa
 // The accumulators of up to rows_in_registers(D16) query heads of one KV head stay in
 // registers across the tokens, so each V row is read once per KV head and block of heads.
 template <int T, int D16>
-void partition_values(const DecodeArgs& a, const int64_t* offs, int64_t n, const float* scores, float* acc) {
+void partition_values(const DecodeArgs& a, const int64_t* offs, int64_t n, const float* scores, float* acc,
+                      LineQueue& pq) {
   const int64_t group = a.num_heads / a.num_kv_heads, D = a.head_dim;
   if constexpr (D16 > 0) {
     constexpr int64_t kBlock = rows_in_registers(D16);
+    const int64_t calls = a.num_kv_heads * ((group + kBlock - 1) / kBlock) * ((n + 1) / 2);
+    const int64_t per_pair = (pq.lines() + calls - 1) / std::max<int64_t>(calls, 1);
     for (int64_t h = 0; h < a.num_kv_heads; ++h) {
       for (int64_t g0 = 0; g0 < group; g0 += kBlock) {
         const int64_t hq0 = h * group + g0;
         switch (std::min(kBlock, group - g0)) {
-          case 3: head_values<T, D16, 3>(a, offs, n, scores, acc, h, hq0); break;
-          case 2: head_values<T, D16, 2>(a, offs, n, scores, acc, h, hq0); break;
-          default: head_values<T, D16, 1>(a, offs, n, scores, acc, h, hq0); break;
+          case 3: head_values<T, D16, 3>(a, offs, n, scores, acc, h, hq0, pq, per_pair); break;
+          case 2: head_values<T, D16, 2>(a, offs, n, scores, acc, h, hq0, pq, per_pair); break;
+          default: head_values<T, D16, 1>(a, offs, n, scores, acc, h, hq0, pq, per_pair); break;
         }
       }
     }
@@ -373,6 +380,7 @@ void normalize_row(const float* acc, float m, float den, const float* sinks, int
 
 struct Scratch {
   std::vector<float> qf, acc, scores, stats;
+  LineQueue queue;
   std::vector<uint16_t> qraw;  // the bf16 query rows, for the bf16 dot path
 };
 
@@ -410,16 +418,25 @@ void decode_item(const DecodeArgs& a, int64_t item, Scratch& w) {
   for (int64_t pb = tok_lo; pb < tok_hi; pb += kPartition) {
     // Blocks sit anywhere in the pool, so the hardware prefetcher sees short runs: V rows
     // are requested while the scores are computed, the next partition's K rows while
-    // this partition's V rows are summed. (Requested a share at a time from inside the
-    // loops instead, or two partitions ahead, they arrived later: 10-40 % slower here.)
-    prefetch_rows(a.value_cache, offs, n, elem_bytes, row_bytes);
-    partition_scores<T, D16>(a, offs, n, qrows, w.scores.data());
+    // this partition's V rows are summed, a few lines per inner iteration (LineQueue).
+    // Requested as one burst per partition, the first ~48 lines filled the core's
+    // outstanding L2 misses and the burst then waited for nearly all of its 384: one bf16
+    // layer of 64 sequences of 240 tokens (30 layers' caches in rotation) took 820-878 us
+    // that way and 690-759 us spread out. Two partitions ahead was slower still.
+    LineQueue& pq = w.queue;
+    pq.reset(row_bytes);
+    pq.add(a.value_cache, offs, n, elem_bytes);
+    const int64_t score_calls = (n + 15) / 16 * H;
+    partition_scores<T, D16>(a, offs, n, qrows, w.scores.data(), pq, (pq.lines() + score_calls - 1) / score_calls);
+    pq.drain();  // V must be on its way before the values
     for (int64_t hq = 0; hq < H; ++hq)
       partition_softmax(w.scores.data() + hq * kPartition, n, a.softcap, &w.stats[2 * hq], &w.stats[2 * hq + 1],
                         w.acc.data() + hq * D, D);
     const int64_t next_n = row_offsets(a, table, row, pb + kPartition, tok_hi, next_offs);
-    prefetch_rows(a.key_cache, next_offs, next_n, elem_bytes, row_bytes);
-    partition_values<T, D16>(a, offs, n, w.scores.data(), w.acc.data());
+    pq.reset(row_bytes);
+    pq.add(a.key_cache, next_offs, next_n, elem_bytes);
+    partition_values<T, D16>(a, offs, n, w.scores.data(), w.acc.data(), pq);
+    pq.drain();
     std::memcpy(offs, next_offs, next_n * sizeof(int64_t));
     n = next_n;
   }

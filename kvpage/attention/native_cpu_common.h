@@ -88,4 +88,32 @@ inline void prefetch_rows(const void* cache, const int64_t* offs, int64_t n, int
   }
 }
 
+// Cache lines still to prefetch, issued a few at a time from inside the compute loops. A
+// burst of a whole partition's rows (hundreds of lines) stalls once the core's outstanding
+// L2 misses are used up and then waits for nearly all of them; a few lines per inner
+// iteration keep the requests in flight while the arithmetic runs.
+struct LineQueue {
+  const char* rows[2 * kPartition];
+  int64_t count = 0, next = 0, line = 0, row_bytes = 0;
+
+  void reset(int64_t bytes_per_row) { count = next = line = 0; row_bytes = bytes_per_row; }
+  void add(const void* cache, const int64_t* offs, int64_t n, int64_t elem_bytes) {
+    const char* base = static_cast<const char*>(cache);
+    for (int64_t j = 0; j < n; ++j) rows[count++] = base + offs[j] * elem_bytes;
+  }
+  int64_t lines() const { return (count - next) * ((row_bytes + 63) / 64) + 1; }
+  inline void issue(int64_t k) {
+    for (; k > 0 && next < count; --k) {
+      _mm_prefetch(rows[next] + line, _MM_HINT_T1);
+      line += 64;
+      if (line >= row_bytes) {
+        _mm_prefetch(rows[next] + row_bytes - 1, _MM_HINT_T1);
+        line = 0;
+        ++next;
+      }
+    }
+  }
+  void drain() { issue(count * (row_bytes / 64 + 1)); }
+};
+
 }  // namespace
