@@ -93,7 +93,7 @@ inline void prefetch_rows(const void* cache, const int64_t* offs, int64_t n, int
 // L2 misses are used up and then waits for nearly all of them; a few lines per inner
 // iteration keep the requests in flight while the arithmetic runs.
 struct LineQueue {
-  const char* rows[2 * kPartition];
+  const char* rows[2 * kPartition];  // at most one partition's V rows and the next one's K rows
   int64_t count = 0, next = 0, line = 0, row_bytes = 0;
 
   void reset(int64_t bytes_per_row) { count = next = line = 0; row_bytes = bytes_per_row; }
