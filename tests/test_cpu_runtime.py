@@ -29,6 +29,7 @@ def test_thread_count_precedence(monkeypatch):
 def test_a_fresh_process_runs_torch_at_the_configured_count():
     """Numba's first ``set_num_threads`` launches its pool and sets the OpenMP count torch
     reads to numba's full count; configured after it, torch keeps the engine's count."""
+    import os
     import subprocess
     import sys
 
@@ -36,7 +37,7 @@ def test_a_fresh_process_runs_torch_at_the_configured_count():
               "from kvpage.threads import configure_threads\n"
               "configure_threads(1)\n"
               "print(torch.get_num_threads(), numba.get_num_threads())\n")
-    env = {**__import__("os").environ, "NUMBA_NUM_THREADS": "2"}
+    env = {**os.environ, "NUMBA_NUM_THREADS": "2"}
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["1", "1"]

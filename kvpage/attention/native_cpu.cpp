@@ -414,7 +414,9 @@ void decode_item(const DecodeArgs& a, int64_t item, Scratch& w) {
   int64_t offs[kPartition], next_offs[kPartition];
   const int64_t elem_bytes = T == kF32 ? 4 : 2, row_bytes = row * elem_bytes;
   int64_t n = row_offsets(a, table, row, tok_lo, tok_hi, offs);
-  prefetch_rows(a.key_cache, offs, n, elem_bytes, row_bytes);
+  w.queue.reset(row_bytes);  // the first partition's K: nothing to compute meanwhile, so at once
+  w.queue.add(a.key_cache, offs, n, elem_bytes);
+  w.queue.drain();
   for (int64_t pb = tok_lo; pb < tok_hi; pb += kPartition) {
     // Blocks sit anywhere in the pool, so the hardware prefetcher sees short runs: V rows
     // are requested while the scores are computed, the next partition's K rows while

@@ -74,24 +74,13 @@ inline int64_t row_offsets(const PagedLayer& a, const int32_t* table, int64_t ro
   return n;
 }
 
-// Ask for the cache lines of n token rows (row_bytes each, all heads; offsets in elements
-// of elem_bytes) ahead of their use. Into L2, not L1: a core has far more L2 misses in
-// flight than L1 fill buffers, and with prefetches into L1 the kernel read scattered blocks
-// at 8-10 GB/s where into L2 it reached 12-15 GB/s (34 sequences x 250 tokens, bf16, 30
-// layers' caches in rotation, back to back).
-inline void prefetch_rows(const void* cache, const int64_t* offs, int64_t n, int64_t elem_bytes, int64_t row_bytes) {
-  const char* base = static_cast<const char*>(cache);
-  for (int64_t j = 0; j < n; ++j) {
-    const char* p = base + offs[j] * elem_bytes;
-    for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
-    _mm_prefetch(p + row_bytes - 1, _MM_HINT_T1);
-  }
-}
-
-// Cache lines still to prefetch, issued a few at a time from inside the compute loops. A
-// burst of a whole partition's rows (hundreds of lines) stalls once the core's outstanding
-// L2 misses are used up and then waits for nearly all of them; a few lines per inner
-// iteration keep the requests in flight while the arithmetic runs.
+// Cache lines of token rows (all heads) still to prefetch, issued a few at a time from inside
+// the compute loops. A burst of a whole partition's rows (hundreds of lines) stalls once the
+// core's outstanding L2 misses are used up and then waits for nearly all of them; a few lines
+// per inner iteration keep the requests in flight while the arithmetic runs. Into L2, not
+// L1: a core has far more L2 misses in flight than L1 fill buffers, and with prefetches into
+// L1 the kernel read scattered blocks at 8-10 GB/s where into L2 it reached 12-15 GB/s (34
+// sequences x 250 tokens, bf16, 30 layers' caches in rotation, back to back).
 struct LineQueue {
   const char* rows[2 * kPartition];  // at most one partition's V rows and the next one's K rows
   int64_t count = 0, next = 0, line = 0, row_bytes = 0;
@@ -101,6 +90,7 @@ struct LineQueue {
     const char* base = static_cast<const char*>(cache);
     for (int64_t j = 0; j < n; ++j) rows[count++] = base + offs[j] * elem_bytes;
   }
+  // About how many lines are still to go: the rate the loops issue them at.
   int64_t lines() const { return (count - next) * ((row_bytes + 63) / 64) + 1; }
   inline void issue(int64_t k) {
     for (; k > 0 && next < count; --k) {
@@ -113,7 +103,7 @@ struct LineQueue {
       }
     }
   }
-  void drain() { issue(count * (row_bytes / 64 + 1)); }
+  void drain() { issue(std::numeric_limits<int64_t>::max()); }
 };
 
 }  // namespace
