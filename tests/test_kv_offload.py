@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpage import BlockPool, CacheConfig, EngineConfig, RadixCache, Request
+from kvpage import BlockPool, CacheConfig, EngineConfig, RadixCache, Request, SamplingParams, Scheduler, SchedulerConfig
 from kvpage.core.block_hash import chain_hashes, external_hash, namespace_root
 from kvpage.core.kv_events import MEDIUM_DISK, MEDIUM_HOST, MEDIUM_POOL, BlockRemoved, BlockStored, KVEventLog
 from kvpage.core.kv_offload import KVOffloadManager
@@ -171,6 +171,86 @@ def test_fetches_complete_into_loadable_entries_or_drop_both_copies():
     assert offload.counters["disk_fetch_failures"] == 1
     assert events.take()[-2:] == [BlockStored((h(1),), None, (), 4, MEDIUM_HOST), BlockRemoved((h(2),), MEDIUM_DISK)]
     offload.check_integrity()
+
+
+def test_held_entries_outlive_lru_pressure_until_released():
+    offload = KVOffloadManager(4, num_host_blocks=2, num_disk_blocks=4)
+    offload.restore_disk([h(1)])
+    offload.host.allocate(h(2))
+    offload.start_fetches([h(1)])
+    offload.hold("a", [h(2), h(1), h(9)])  # a hash with no host entry is skipped
+    offload.take_step_transfers()
+    offload.complete_fetch(h(1), ok=True)  # the read's pin goes; the hold's stays
+    offload.check_integrity()
+    for i in (3, 4):
+        offload.on_pool_evict(h(i), i, TOKENS[:4], None)  # every slot is held: the stores are dropped
+    assert h(1) in offload.host and h(2) in offload.host and h(3) not in offload.host
+    offload.release("a")
+    offload.release("a")  # a second release is a no-op
+    offload.on_pool_evict(h(5), 5, TOKENS[:4], None)
+    assert h(5) in offload.host and offload.host.num_used_slots == 2
+    offload.check_integrity()
+
+
+def test_a_hold_on_a_replaced_entry_releases_nothing():
+    offload = KVOffloadManager(4, num_host_blocks=2, num_disk_blocks=4)
+    offload.restore_disk([h(1)])
+    offload.start_fetches([h(1)])
+    offload.hold("a", [h(1)])
+    offload.take_step_transfers()
+    offload.complete_fetch(h(1), ok=False)  # both copies go, and with them what "a" held
+    offload.host.allocate(h(1))
+    offload.hold("b", [h(1)])
+    offload.release("a")
+    assert offload.host.entry(h(1)).pins == 1  # "b"'s pin survives "a"'s release
+    offload.check_integrity()
+    offload.clear()
+    assert offload.holders() == []
+    offload.check_integrity()
+
+
+def test_a_request_waiting_for_disk_keeps_what_it_waited_for():
+    """Pool evictions during the wait would push the read blocks out of a small host tier;
+    the parked request holds them, so its admission loads every one."""
+    sched = Scheduler(CacheConfig(block_size=4, num_blocks=8, num_host_blocks=4, num_disk_blocks=8),
+                      SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64))
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+
+    def step():
+        out = sched.schedule()
+        sched.update_from_output(out, [1] * out.metadata.sample_seq_indices.shape[0])
+        sched.check_integrity()
+        return out
+
+    sched.make_request("c", list(range(100, 116)), params)  # leaves 4 idle cached blocks to evict
+    step()
+    prompt = list(range(200, 213))
+    sched.tiers.restore_disk(chain_hashes(namespace_root(None), prompt[:12], 4))
+    sched.make_request("b", list(range(300, 320)), SamplingParams(max_tokens=8, ignore_eos=True))
+    waiter = sched.make_request("a", prompt, params)
+    out = step()
+    assert len(out.kv_transfers.disk_fetches) == 3 and sched.num_waiting == 1
+    sched.tiers.complete_fetches([(block_hash, True) for block_hash, _ in out.kv_transfers.disk_fetches])
+    steps_waited = 0
+    while not waiter.num_computed_tokens and steps_waited < 20:
+        step()  # "b" grows while "a" cannot be admitted; its evictions reach the host tier
+        steps_waited += 1
+    assert steps_waited > 1 and sched.offload.counters["host_stores"] > 1
+    assert waiter.num_cached_tokens == 12
+    assert sched.offload.counters["disk_loads"] == 3 and sched.offload.holders() == []
+
+
+def test_a_parked_request_that_ends_releases_its_holds():
+    sched = Scheduler(CacheConfig(block_size=4, num_blocks=8, num_host_blocks=4, num_disk_blocks=8),
+                      SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64))
+    prompt = list(range(200, 213))
+    sched.tiers.restore_disk(chain_hashes(namespace_root(None), prompt[:12], 4))
+    sched.make_request("a", prompt, SamplingParams(max_tokens=1))
+    sched.schedule()
+    assert sched.offload.holders() == ["a"]
+    sched.abort("a")
+    assert sched.offload.holders() == []
+    sched.check_integrity()
 
 
 def test_saves_are_write_through_deduplicated_and_lru_capped():

@@ -15,6 +15,10 @@ Policy:
   * a prefix hit past the pool: host blocks are loaded into fresh pool blocks before the
     step's forward; disk-only blocks are first read into host slots in the background
     (the request waits, holding no pool blocks) and then load like host hits.
+  * a request waiting for disk reads holds the host entries of its hit (``hold``) until it
+    is admitted or ends (``release``): what it waited for, and the host blocks before it,
+    cannot be evicted by the pool evictions of the steps it waits through. A store that
+    finds every host slot pinned is dropped instead.
 
 A disk tier opened read-only serves what it holds and saves nothing. The step's plan is
 collected while the scheduler works and handed out once (``take_step_transfers``).
@@ -29,7 +33,7 @@ import numpy as np
 from .block_hash import BlockHash
 from .kv_events import MEDIUM_DISK, MEDIUM_HOST, KVEventLog
 from .kv_transfers import DiskOp, KVTransfers
-from .tier_pool import TierPool
+from .tier_pool import TierEntry, TierPool
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +65,9 @@ class KVOffloadManager:
         self._loads: list[tuple[int, int]] = []  # (host slot, pool block), this step
         self._load_pins: list[BlockHash] = []
         self._fetches: list[tuple[BlockHash, int]] = []
+        # owner -> the host entries it holds; an entry is kept by identity, so a hold on an
+        # entry that was removed (a failed read, a clear) and later re-created releases nothing.
+        self._holds: dict[str, list[tuple[BlockHash, TierEntry]]] = {}
         self.counters = dict.fromkeys(("host_stores", "host_loads", "disk_loads", "disk_fetches",
                                        "disk_fetch_failures", "disk_saves", "disk_save_failures"), 0)
 
@@ -130,6 +137,27 @@ class KVOffloadManager:
             self.host.touch(block_hash)
             if self.disk is not None:
                 self.disk.touch(block_hash)
+
+    # ------------------------------------------------------------------ holds
+    def hold(self, owner: str, hashes: Sequence[BlockHash]) -> None:
+        """Pin the host entries of ``hashes`` (ready or being read) for ``owner`` until
+        ``release(owner)``; hashes without a host entry are skipped. Adds to earlier holds."""
+        held = self._holds.setdefault(owner, [])
+        for block_hash in hashes:
+            entry = self.host.entry(block_hash)
+            if entry is not None:
+                self.host.pin(block_hash)
+                held.append((block_hash, entry))
+
+    def holders(self) -> list[str]:
+        """The owners holding host entries."""
+        return list(self._holds)
+
+    def release(self, owner: str) -> None:
+        """Drop ``owner``'s holds (a no-op for an owner holding nothing)."""
+        for block_hash, entry in self._holds.pop(owner, ()):
+            if self.host.entry(block_hash) is entry:
+                self.host.unpin(block_hash)
 
     # ------------------------------------------------------------------ disk reads
     def start_fetches(self, hashes: Sequence[BlockHash]) -> list[BlockHash]:
@@ -239,23 +267,29 @@ class KVOffloadManager:
         Host entries a disk read is still filling stay until the read reports (their slots
         are being written).
         """
+        for owner in list(self._holds):
+            self.release(owner)
         self.host.clear(keep_pending=True)
         self._stores, self._store_slot, self._loads, self._load_pins, self._fetches = {}, {}, [], [], []
         return self.disk.clear() if self.disk is not None else []
 
     # ------------------------------------------------------------------ checks and stats
     def check_integrity(self) -> None:
-        """Assert free + used == total per tier, and that only transfers under way hold pins:
-        a pending host entry (a disk read) holds one, a ready one only while a load is planned."""
+        """Assert free + used == total per tier, and that every host pin has an owner: a
+        pending entry's read holds one, a planned load one, each live hold one."""
         for tier in (self.host, self.disk):
             if tier is not None:
                 tier.check_integrity()
-        loading = set(self._load_pins)
-        for block_hash in self.host.ready_hashes():
-            assert self.host.entry(block_hash).pins == 0 or block_hash in loading, \
-                f"host block {block_hash.hex()[:16]} is pinned with no transfer under way"
-        pending = [h for h in self.host.hashes() if not self.host.entry(h).ready]
-        assert all(self.host.entry(h).pins == 1 for h in pending), "a pending host entry lost its read's pin"
+        expected = {h: int(not self.host.entry(h).ready) for h in self.host.hashes()}
+        for block_hash in self._load_pins:
+            expected[block_hash] += 1
+        for held in self._holds.values():
+            for block_hash, entry in held:
+                if self.host.entry(block_hash) is entry:
+                    expected[block_hash] += 1
+        for block_hash, pins in expected.items():
+            assert self.host.entry(block_hash).pins == pins, \
+                f"host block {block_hash.hex()[:16]}: {self.host.entry(block_hash).pins} pins, {pins} owned"
 
     def stats(self) -> dict:
         disk = self.disk

@@ -257,6 +257,8 @@ class Scheduler:
             if not self.kv.allocate_slots(request, num_new, hit):
                 break
             self.waiting.pop()
+            if request.kv_fetch_waited and self.tiers is not None:
+                self.tiers.admitted(request)
             if self.prefix_cache is not None and not request.prefix_queried and uses_cache:
                 # Count each request once: a recompute after preemption hits its own blocks.
                 request.prefix_queried = True
@@ -394,7 +396,8 @@ class Scheduler:
             self.running.remove(request)
         elif request.status is RequestStatus.WAITING:
             self.waiting.discard(request.request_id)
-            self.fetch_waits.discard(request.request_id)
+            if self.tiers is not None:
+                self.tiers.ended(request)
         self.kv.free(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason

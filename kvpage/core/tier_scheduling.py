@@ -6,6 +6,9 @@ driver of the core) calls, once per step:
     complete_fetches(results)   before ``schedule``: finished disk reads ``(hash, ok)``;
                                 requests waiting for them queue again (also the timeouts)
     complete_saves(failed)      disk writes that failed: the disk index forgets them
+    admitted(request) / ended(request)
+                                a request that waited for disk reads got its blocks, or
+                                ended: the host entries it held may be evicted again
     take_saves(output)          after a successful step: the disk writes it needs
     discard_transfers(output)   when the step's tier copies raised
 
@@ -45,6 +48,9 @@ class TierScheduling:
         started = self.offload.start_fetches(hit.fetch_hashes)
         awaited = set(started) | {h for h in hit.pending_hashes if h in self.offload.host}
         if awaited:
+            # Hold what it waits for and the host blocks before it: the pool evictions of
+            # the steps it waits through would otherwise push them out of the host tier.
+            self.offload.hold(request.request_id, [*hit.load_hashes, *awaited])
             self.fetch_waits.park(request, awaited, time.monotonic())
         else:  # nothing could be started: admit it with what the pool and host hold
             request.kv_fetch_waited = True
@@ -59,6 +65,15 @@ class TierScheduling:
             self.offload.complete_fetch(block_hash, ok)
         if len(self.fetch_waits):
             self.release(self.fetch_waits.resolve((h for h, _ in results), time.monotonic()))
+
+    def admitted(self, request: Request) -> None:
+        """``request`` got its blocks (its loads are pinned for the step): drop its holds."""
+        self.offload.release(request.request_id)
+
+    def ended(self, request: Request) -> None:
+        """``request`` ended before admission: stop waiting for it and drop its holds."""
+        self.fetch_waits.discard(request.request_id)
+        self.offload.release(request.request_id)
 
     def release(self, requests: Sequence[Request]) -> None:
         for request in reversed(requests):  # the earliest ends up first in line
@@ -107,8 +122,12 @@ class TierScheduling:
         return stats
 
     def check_integrity(self) -> None:
-        """Assert the tiers balance and every parked request is waiting, off the queue, blockless."""
+        """Assert the tiers balance, every parked request is waiting, off the queue, blockless,
+        and only requests not yet admitted hold host entries."""
         self.offload.check_integrity()
+        for owner in self.offload.holders():
+            assert owner in self.fetch_waits or owner in self.waiting, f"request {owner!r} holds host entries"
+
         for request in self.fetch_waits:
             assert request.status is RequestStatus.WAITING and not request.block_ids
             assert request.request_id not in self.waiting, f"{request!r} is both queued and parked"
