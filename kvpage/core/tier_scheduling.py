@@ -127,7 +127,6 @@ class TierScheduling:
         self.offload.check_integrity()
         for owner in self.offload.holders():
             assert owner in self.fetch_waits or owner in self.waiting, f"request {owner!r} holds host entries"
-
         for request in self.fetch_waits:
             assert request.status is RequestStatus.WAITING and not request.block_ids
             assert request.request_id not in self.waiting, f"{request!r} is both queued and parked"
