@@ -108,7 +108,7 @@ def test_the_event_stream_rebuilds_every_tier(tmp_path):
         llm.engine.step()  # an idle step publishes what the disk threads reported
         stats = llm.stats()
         assert stats["kv_host_evictions"] > 0 and stats["kv_disk_evictions"] > 0  # every tier churned
-        assert stats["kv_host_loads"] + stats["kv_disk_loads"] > 0
+        assert stats["kv_disk_loads"] > 0  # a request that waited for disk reads loads what they brought
         expected = _engine_state(llm)
         time.sleep(0.2)
         payloads = _drain_live(sub)
