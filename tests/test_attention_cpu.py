@@ -19,6 +19,12 @@ from kvpage.core.metadata import leading_decodes  # noqa: E402
 BS = 16
 SCALE = 0.17
 TOL = {"float32": (3e-5, 1e-5), "float16": (2e-3, 2e-3), "bfloat16": (2e-2, 1.6e-2)}
+# fp32 through the torch backend: its softcap / sinks path multiplies through MKL's batched
+# SGEMM, which picks its kernels at run time (CNR off). Once on CI, under CPU contention, that
+# call returned scores off by up to 3e-4 relative on one thread's half of the batch, while a
+# second call in the same process was exact to 4e-7 (outputs off by 7e-5). A kernel reading a
+# slot it must not read is off by far more: those slots hold 1e3 (``make_case``).
+TORCH_FP32_TOL = (3e-4, 1e-4)
 
 # (query lengths, context lengths); contexts 1, bs-1, bs, bs+1 appear in the decode case.
 SCENARIOS = {
@@ -95,8 +101,10 @@ def expected(q, kc, vc, qsl, lens, tables, dtype, **opts):
     return paged_attention_reference(q, kc, vc, qsl, lens, tables, SCALE, **opts)
 
 
-def check(got, want, dtype):
-    atol, rtol = TOL[dtype]
+def check(got, want, dtype, backends=None):
+    """``got`` matches ``want`` within ``dtype``'s tolerance; ``backends`` that run torch get
+    ``TORCH_FP32_TOL`` at fp32."""
+    atol, rtol = TORCH_FP32_TOL if dtype == "float32" and backends and "torch" in backends else TOL[dtype]
     np.testing.assert_allclose(got, want, atol=atol, rtol=rtol)
 
 
@@ -118,7 +126,8 @@ def test_torch_dispatch_matches_reference(scenario, option, backends):
     rng = np.random.default_rng(1)
     case = make_case(rng, *SCENARIOS[scenario])
     opts = options(rng, option, 8)
-    check(run_torch(*case, "float32", backends, **opts), paged_attention_reference(*case, SCALE, **opts), "float32")
+    check(run_torch(*case, "float32", backends, **opts), paged_attention_reference(*case, SCALE, **opts), "float32",
+          backends)
 
 
 @pytest.mark.parametrize("backends", TORCH_BACKENDS, ids=str)
@@ -164,7 +173,7 @@ def test_head_layouts(heads, kv_heads, backends):
     case = make_case(rng, *SCENARIOS["mixed"], heads=heads, kv_heads=kv_heads)
     opts = options(rng, "sinks", heads)
     want = paged_attention_reference(*case, SCALE, **opts)
-    check(run_torch(*case, "float32", backends, **opts), want, "float32")
+    check(run_torch(*case, "float32", backends, **opts), want, "float32", backends)
     check(paged_attention_numba(*case, SCALE, **opts), want, "float32")
 
 
@@ -205,8 +214,8 @@ def test_random_ragged_batches(data):
     opts = dict(sliding_window=window, softcap=softcap, sinks=sinks)
     want = paged_attention_reference(*case, SCALE, **opts)
     check(paged_attention_numba(*case, SCALE, **opts), want, "float32")
-    check(run_torch(*case, "float32", ("torch", "torch"), **opts), want, "float32")
-    check(run_torch(*case, "float32", ("native", "torch"), **opts), want, "float32")
+    check(run_torch(*case, "float32", ("torch", "torch"), **opts), want, "float32", ("torch", "torch"))
+    check(run_torch(*case, "float32", ("native", "torch"), **opts), want, "float32", ("native", "torch"))
 
 
 def test_work_tiles_cover_every_query_row_once():
