@@ -209,11 +209,20 @@ def test_a_hold_on_a_replaced_entry_releases_nothing():
     offload.check_integrity()
 
 
+def _scheduler_with_blocks_on_disk(prompt: list[int]) -> Scheduler:
+    """An 8-block pool, a 4-slot host tier and a disk tier holding ``prompt``'s full blocks."""
+    sched = Scheduler(CacheConfig(block_size=4, num_blocks=8, num_host_blocks=4, num_disk_blocks=8),
+                      SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64))
+    full = len(prompt) // 4 * 4
+    sched.tiers.restore_disk(chain_hashes(namespace_root(None), prompt[:full], 4))
+    return sched
+
+
 def test_a_request_waiting_for_disk_keeps_what_it_waited_for():
     """Pool evictions during the wait would push the read blocks out of a small host tier;
     the parked request holds them, so its admission loads every one."""
-    sched = Scheduler(CacheConfig(block_size=4, num_blocks=8, num_host_blocks=4, num_disk_blocks=8),
-                      SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64))
+    prompt = list(range(200, 213))
+    sched = _scheduler_with_blocks_on_disk(prompt)
     params = SamplingParams(max_tokens=1, ignore_eos=True)
 
     def step():
@@ -224,8 +233,6 @@ def test_a_request_waiting_for_disk_keeps_what_it_waited_for():
 
     sched.make_request("c", list(range(100, 116)), params)  # leaves 4 idle cached blocks to evict
     step()
-    prompt = list(range(200, 213))
-    sched.tiers.restore_disk(chain_hashes(namespace_root(None), prompt[:12], 4))
     sched.make_request("b", list(range(300, 320)), SamplingParams(max_tokens=8, ignore_eos=True))
     waiter = sched.make_request("a", prompt, params)
     out = step()
@@ -241,10 +248,8 @@ def test_a_request_waiting_for_disk_keeps_what_it_waited_for():
 
 
 def test_a_parked_request_that_ends_releases_its_holds():
-    sched = Scheduler(CacheConfig(block_size=4, num_blocks=8, num_host_blocks=4, num_disk_blocks=8),
-                      SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64))
     prompt = list(range(200, 213))
-    sched.tiers.restore_disk(chain_hashes(namespace_root(None), prompt[:12], 4))
+    sched = _scheduler_with_blocks_on_disk(prompt)
     sched.make_request("a", prompt, SamplingParams(max_tokens=1))
     sched.schedule()
     assert sched.offload.holders() == ["a"]
