@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from kvpage.attention.reference import paged_attention_reference
-from kvpage.core.metadata import StepMetadata
+from kvpage.core.sched.metadata import StepMetadata
 
 from .hf_attention import AttentionBackend
 

@@ -60,7 +60,7 @@ def _use_disk_cache() -> None:
     # so a value equal to that default was not the user's choice.
     current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if current is None or os.path.abspath(current) == os.path.abspath(default_cache_dir()):
-        from kvpage.model_registry import cache_root
+        from kvpage.platform.model_registry import cache_root
 
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_root() / "inductor")
     # Every engine in a process compiles the same forward function; each is its own cache entry.
@@ -125,7 +125,7 @@ class CompiledForward:
         it took."""
         from tqdm.auto import tqdm
 
-        from kvpage.threads import set_compute_threads
+        from kvpage.platform.threads import set_compute_threads
 
         start = time.perf_counter()
         log.info("compiling the model forward with torch.compile (inductor); this takes a while on first use")

@@ -33,8 +33,8 @@ from typing import Any, Iterator, Optional, Protocol, Union
 
 import torch
 
-from kvpage.core.metadata import StepMetadata
-from kvpage.kv_storage import LayerKVSpec
+from kvpage.core.sched.metadata import StepMetadata
+from kvpage.storage.kv_storage import LayerKVSpec
 
 ATTN_IMPLEMENTATION = "kvpage"
 

@@ -1,6 +1,6 @@
 """Runs one scheduled step through a Hugging Face model with paged KV.
 
-Implements ``kvpage.interfaces.ModelRunner``: ``execute(metadata)`` takes a
+Implements ``kvpage.engine.interfaces.ModelRunner``: ``execute(metadata)`` takes a
 ``StepMetadata`` and returns float32 logits ``[S, vocab]`` for ``metadata.logits_indices``
 (in that order). The model sees one
 flattened ragged batch ``[1, T]``; attention reads and writes the paged buffers.
@@ -18,9 +18,9 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
-from kvpage.core.kv_groups import KVCacheGroups
-from kvpage.core.metadata import StepMetadata
-from kvpage.kv_storage import LayerKVSpec, PagedKVCache
+from kvpage.core.kv.kv_groups import KVCacheGroups
+from kvpage.core.sched.metadata import StepMetadata
+from kvpage.storage.kv_storage import LayerKVSpec, PagedKVCache
 
 from .attention_ports import alibi_slopes_by_layer, install_ports, mask_alibi_slopes, needs_port, port_refusal
 from .compiled_forward import CompiledForward

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from kvpage.kv_storage import LayerKVSpec
+from kvpage.storage.kv_storage import LayerKVSpec
 
 #: A layer's indexer: a child named ``indexer`` of its attention module.
 _INDEXER_NAME = "indexer"

@@ -62,8 +62,8 @@ def test_bench_sibling_linears(benchmark, rows, dtype):
 
 
 def test_bench_greedy_argmax(benchmark):
-    from kvpage.attention import native_cpu
-    from kvpage.sampler import _row_max_argmax
+    from kvpage.kernels import native_cpu
+    from kvpage.engine.sampler import _row_max_argmax
 
     if native_cpu.library() is None:
         pytest.skip("native kernels unavailable here")

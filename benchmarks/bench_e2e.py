@@ -34,7 +34,7 @@ TARGETS = {"vs_static": 4.0, "vs_hf_continuous": 3.0, "vs_bare_forward": 0.9, "f
 
 
 def _workload(num_requests: int, seed: int, vocab: int):
-    from kvpage.bench.workload import Scale, sharegpt
+    from kvpage.tools.bench.workload import Scale, sharegpt
 
     scale = Scale(num_requests=num_requests, prompt_median=64, prompt_sigma=0.8, output_median=48,
                   output_sigma=0.6, max_prompt=256, max_output=128, arrival_rate=0.0)
@@ -45,9 +45,9 @@ def measure(model: str = "random-50m", num_requests: int = 48, kv_seqs: int = 48
             seed: int = 0, progress: bool = False, compiled: bool = False) -> dict[str, Any]:
     """Run (a)-(d), and (e) with ``compiled``, side by side; return tokens/s per system, the
     ratios and the targets."""
-    from kvpage.bench import model as model_mod
-    from kvpage.bench.metrics import summarize
-    from kvpage.bench.runners import RunContext, hf_continuous, paged, static_hf
+    from kvpage.tools.bench import model as model_mod
+    from kvpage.tools.bench.metrics import summarize
+    from kvpage.tools.bench.runners import RunContext, hf_continuous, paged, static_hf
 
     loaded = model_mod.load(model, seed, "cpu")
     work = _workload(num_requests, seed, loaded.vocab_size)

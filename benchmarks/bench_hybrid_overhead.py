@@ -22,7 +22,7 @@ def main() -> int:
     import numpy as np
 
     from kvpage import LLM, SamplingParams
-    from kvpage.bench.model import load
+    from kvpage.tools.bench.model import load
 
     loaded = load("random-gemma3", 0, "cpu")
     rng = np.random.default_rng(0)

@@ -127,8 +127,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
-    from kvpage.ray_serve.app import build_app
-    from kvpage.ray_serve.local import deploy, local_serve
+    from kvpage.entrypoints.ray_serve.app import build_app
+    from kvpage.entrypoints.ray_serve.local import deploy, local_serve
 
     args = parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))

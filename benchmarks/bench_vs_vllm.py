@@ -191,7 +191,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print("bench_vs_vllm: vLLM's CPU build was not found (pass --vllm-python or set KVPAGE_VLLM_PYTHON); "
               "skipping.")
         return 0
-    from kvpage.model_registry import resolve_model_path
+    from kvpage.platform.model_registry import resolve_model_path
 
     model_path = str(resolve_model_path(args.model))
     if args.online:  # one dtype after the other, each with both servers

@@ -35,7 +35,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     from bench_vs_vllm import offline_workload
     from kvpage import LLM, SamplingParams
-    from kvpage.model_registry import resolve_model_path
+    from kvpage.platform.model_registry import resolve_model_path
 
     work = offline_workload(str(resolve_model_path(args.model)), args.dtype)
     llm = LLM(work["model"], dtype=args.dtype, max_model_len=work["max_model_len"], onednn_linears=True,

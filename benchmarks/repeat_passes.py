@@ -37,7 +37,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     from bench_vs_vllm import offline_workload
     from kvpage import LLM, SamplingParams
-    from kvpage.model_registry import resolve_model_path
+    from kvpage.platform.model_registry import resolve_model_path
 
     start = time.perf_counter()
     work = offline_workload(str(resolve_model_path(args.model)), args.dtype)

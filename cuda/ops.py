@@ -217,7 +217,7 @@ def _sizes_from_host(query_start_loc, seq_lens, num_tokens: int,
     if (lens < q_lens).any():
         raise ValueError("seq_lens must be >= each sequence's query length")
     if num_decodes is None:
-        from kvpage.core.metadata import leading_decodes
+        from kvpage.core.sched.metadata import leading_decodes
 
         num_decodes = leading_decodes(q_lens)
     max_decode_ctx = int(lens[:num_decodes].max()) if num_decodes else 0

@@ -106,8 +106,8 @@ def check_step_end_to_end() -> str:
     """store_kv + paged_attention on metadata from ``build_step_metadata`` (decodes first)."""
     from kvpage.attention import paged_attention_reference, write_kv_reference
     from kvpage.cuda import paged_attention, store_kv
-    from kvpage.metadata import build_step_metadata
-    from kvpage.request import Request
+    from kvpage.core.sched.metadata import build_step_metadata
+    from kvpage.core.request import Request
 
     rng = np.random.default_rng(11)
     h, hkv, d, num_blocks = 4, 2, 8, 24

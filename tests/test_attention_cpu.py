@@ -14,7 +14,7 @@ from kvpage.attention.cpu import (  # noqa: E402
     paged_attention_cpu, prepare_cpu_attention_metadata, write_kv_cpu)
 from kvpage.attention.numba_cpu import build_work_tiles, paged_attention_numba  # noqa: E402
 from kvpage.attention.torch_cpu import paged_attention_torch  # noqa: E402
-from kvpage.core.metadata import leading_decodes  # noqa: E402
+from kvpage.core.sched.metadata import leading_decodes  # noqa: E402
 
 BS = 16
 SCALE = 0.17
@@ -145,7 +145,7 @@ def test_half_precision(dtype, option, backends):
 @pytest.mark.parametrize("option", OPTIONS)
 def test_decode_context_splits(option, dtype, decode_backend):
     """Few long sequences: the decode kernel splits each context and merges the parts."""
-    from kvpage.attention.numba_decode import decode_splits
+    from kvpage.kernels.numba_decode import decode_splits
 
     rng = np.random.default_rng(7)
     case = make_case(rng, [1, 1], [700, 1029], heads=4, kv_heads=2, head_dim=32)

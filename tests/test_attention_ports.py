@@ -15,8 +15,8 @@ tf = pytest.importorskip("transformers")
 from kvpage import LLM  # noqa: E402
 from kvpage.adapters.attention_ports import PORTS  # noqa: E402
 from kvpage.adapters.hf_runner import UnsupportedModelError  # noqa: E402
-from kvpage.census.compare import census_prompts, compare_with_hf  # noqa: E402
-from kvpage.census.tiny_config import tiny_config  # noqa: E402
+from kvpage.tools.census.compare import census_prompts, compare_with_hf  # noqa: E402
+from kvpage.tools.census.tiny_config import tiny_config  # noqa: E402
 
 FAMILIES = {
     "gpt_neo": (tf.GPTNeoConfig, tf.GPTNeoForCausalLM),
@@ -165,7 +165,7 @@ def test_a_composite_model_gets_its_text_config_switched_alone():
     through the interface: kvpage switches the text config alone (text-only requests never
     run the vision tower), exact in both census modes, and switches it back."""
     from kvpage.adapters.hf_runner import text_decoder_switchable
-    from kvpage.census.family import _build_tiny_model
+    from kvpage.tools.census.family import _build_tiny_model
 
     model, problem = _build_tiny_model("got_ocr2", tf.GotOcr2ForConditionalGeneration)
     assert model is not None, problem

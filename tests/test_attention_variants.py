@@ -18,7 +18,7 @@ from kvpage.attention import paged_attention_reference
 from kvpage.attention.cpu import paged_attention_cpu
 from kvpage.attention.reference import gather_context
 from kvpage.attention.torch_cpu import paged_attention_torch
-from kvpage.kv_storage import KVCacheSpec, LayerKVSpec
+from kvpage.storage.kv_storage import KVCacheSpec, LayerKVSpec
 from test_attention_cpu import BS, SCALE, SCENARIOS, make_case
 from tiny_models import hf_greedy
 
@@ -84,7 +84,7 @@ def test_torch_and_dispatcher_match_the_reference(scenario, option):
 
 
 def test_chunked_layers_are_refused_on_cuda():
-    from kvpage.adapters.hf_engine import check_backend_fits
+    from kvpage.engine.builder import check_backend_fits
     from kvpage.adapters.hf_runner import UnsupportedModelError
 
     spec = KVCacheSpec((LayerKVSpec.symmetric(2, 8), LayerKVSpec(2, 8, 2, 8, attention_chunk=8)), block_size=BS)
@@ -99,7 +99,7 @@ def test_chunked_layers_are_refused_on_cuda():
 def _llama4():
     import transformers as tf
 
-    from kvpage.census.tiny_config import tiny_config
+    from kvpage.tools.census.tiny_config import tiny_config
 
     torch.manual_seed(0)
     config = tiny_config(tf.Llama4TextConfig)

@@ -1,7 +1,7 @@
 """The bench chart: config names in the legend, a KV-waste panel, a title naming model and machine."""
 from __future__ import annotations
 
-from kvpage.bench.chart import panels, title, write_png
+from kvpage.tools.bench.chart import panels, title, write_png
 
 
 def _row(config, label, waste):

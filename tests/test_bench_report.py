@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from kvpage.bench.suite import SuiteOptions, run_suite  # noqa: E402
+from kvpage.tools.bench.suite import SuiteOptions, run_suite  # noqa: E402
 
 SUMMARY_KEYS = {"config", "label", "status", "useful_tokens", "useful_tokens_per_s", "max_concurrency",
                 "kv_waste_pct", "ttft_mean_ms", "ttft_p99_ms", "itl_median_ms", "itl_p99_ms", "prefix_hit_rate",
@@ -81,7 +81,7 @@ def test_outputs_written(bench_run):
 
 
 def test_bad_cli_input_is_a_clear_error(capsys):
-    from kvpage.bench_cli import main
+    from kvpage.entrypoints.cli.bench import main
 
     with pytest.raises(SystemExit) as exc:
         main(["--scenario", "nope"])
@@ -123,8 +123,8 @@ def test_e2e_benchmark_reports_the_compiled_run():
     import importlib.util
     from pathlib import Path
 
-    from kvpage.bench.runners.common import RunContext
-    from kvpage.bench.runners.paged import engine_config
+    from kvpage.tools.bench.runners.common import RunContext
+    from kvpage.tools.bench.runners.paged import engine_config
 
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_e2e.py"
     spec = importlib.util.spec_from_file_location("bench_e2e_under_test", path)
@@ -144,8 +144,8 @@ def test_e2e_benchmark_reports_the_compiled_run():
     assert "| vs_hf_continuous | 2.50x (missed) | >= 3.0x |" in table
     del rows["e_kvpage_compiled"]
     assert "compiled_vs_static" not in bench_e2e._ratios(rows)
-    from kvpage.bench import model as model_mod
-    from kvpage.bench.workload import Scale, sharegpt
+    from kvpage.tools.bench import model as model_mod
+    from kvpage.tools.bench.workload import Scale, sharegpt
 
     loaded = model_mod.load("random-tiny", 0, "cpu")
     work = sharegpt(Scale(num_requests=2, prompt_median=8, prompt_sigma=0.1, output_median=4, output_sigma=0.1,

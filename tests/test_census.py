@@ -16,8 +16,8 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from kvpage.census import runner  # noqa: E402
-from kvpage.census.report import exact_share, summary_line, to_markdown  # noqa: E402
+from kvpage.tools.census import runner  # noqa: E402
+from kvpage.tools.census.report import exact_share, summary_line, to_markdown  # noqa: E402
 
 SUBSET = "llama,deepseek_v3,mamba,bart,bloom,xlnet,inkling_text,cohere_compass_text"
 
@@ -92,7 +92,7 @@ def _die_in_hf(name, report_phase):
 
 def test_a_hang_or_crash_cannot_stop_the_census(monkeypatch):
     """Children are forked, so a patched ``run_family`` runs in them (no torch work here)."""
-    from kvpage.census import family
+    from kvpage.tools.census import family
 
     monkeypatch.setattr(family, "run_family", _hang)
     hung = runner._run_in_child("llama", timeout_s=2)
@@ -106,7 +106,7 @@ def test_a_hang_or_crash_cannot_stop_the_census(monkeypatch):
 def saved_models(tmp_path_factory):
     import torch
 
-    from kvpage.census.tiny_config import tiny_config
+    from kvpage.tools.census.tiny_config import tiny_config
     from tiny_models import char_tokenizer, tiny_model
 
     llama = tmp_path_factory.mktemp("llama")

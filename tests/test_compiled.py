@@ -88,7 +88,7 @@ def test_governed_compiled_engine_has_an_entry_for_one_thread_fewer(monkeypatch)
     the governor's switch under a busy neighbour never compiles mid-run."""
     from torch._dynamo.utils import counters
 
-    from kvpage.threads import configure_threads
+    from kvpage.platform.threads import configure_threads
 
     threads = configure_threads(None)
     if threads < 2:

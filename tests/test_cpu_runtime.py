@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpage.threads import available_cpus, loaded_openmp_runtimes, release_thread_pools, resolve_num_threads
+from kvpage.platform.threads import available_cpus, loaded_openmp_runtimes, release_thread_pools, resolve_num_threads
 
 torch = pytest.importorskip("torch")
 
@@ -34,7 +34,7 @@ def test_a_fresh_process_runs_torch_at_the_configured_count():
     import sys
 
     script = ("import torch, numba\n"
-              "from kvpage.threads import configure_threads\n"
+              "from kvpage.platform.threads import configure_threads\n"
               "configure_threads(1)\n"
               "print(torch.get_num_threads(), numba.get_num_threads())\n")
     env = {**os.environ, "NUMBA_NUM_THREADS": "2"}
@@ -97,7 +97,7 @@ def test_the_engine_thread_adopts_the_engine_thread_count():
     from kvpage import LLM
     from tiny_models import tiny_model
 
-    from kvpage.threads import set_compute_threads
+    from kvpage.platform.threads import set_compute_threads
 
     if numba.config.NUMBA_NUM_THREADS < 2:
         pytest.skip("needs numba to allow 2 threads")

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from kvpage import LLM, AsyncLLM, SamplingParams
-from kvpage.outputs import RequestOutput
+from kvpage.engine.outputs import RequestOutput
 from tiny_models import tiny_model
 
 LONG = SamplingParams(max_tokens=150, temperature=0, ignore_eos=True)

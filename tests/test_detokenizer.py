@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpage.detokenizer import PROMPT_CONTEXT_TOKENS, IncrementalDetokenizer
+from kvpage.engine.detokenizer import PROMPT_CONTEXT_TOKENS, IncrementalDetokenizer
 
 REPLACEMENT = "\ufffd"
 
@@ -206,7 +206,7 @@ def test_reads_the_callers_sequence_each_call():
 @pytest.fixture(scope="module")
 def hf_tokenizer():
     transformers = pytest.importorskip("transformers")
-    from kvpage.model_registry import resolve_model_path
+    from kvpage.platform.model_registry import resolve_model_path
 
     try:
         path = resolve_model_path("smollm2-135m")

@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from kvpage import CacheConfig, SamplingParams, Scheduler, SchedulerConfig
-from kvpage.core.metadata import StepMetadata
-from kvpage.engine import LLMEngine
-from kvpage.interfaces import ModelRunner
-from kvpage.interfaces import Sampler as SamplerProtocol
+from kvpage.core.sched.metadata import StepMetadata
+from kvpage.engine.llm_engine import LLMEngine
+from kvpage.engine.interfaces import ModelRunner
+from kvpage.engine.interfaces import Sampler as SamplerProtocol
 from char_tokenizer import SPECIAL, CharTokenizer  # noqa: F401
-from kvpage.outputs import RequestOutput, StreamDelta
-from kvpage.sampler import Sampler
+from kvpage.engine.outputs import RequestOutput, StreamDelta
+from kvpage.engine.sampler import Sampler
 
 V = 40
 BS = 4

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from kvpage import LLM, SamplingParams
-from kvpage.async_engine import AsyncLLM
+from kvpage.engine.async_llm import AsyncLLM
 from tiny_models import char_tokenizer, tiny_model
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
@@ -306,7 +306,7 @@ class _LiveServer:
     def __init__(self, llm: LLM) -> None:
         import uvicorn
 
-        from kvpage.server.app import build_app
+        from kvpage.entrypoints.openai.app import build_app
         from server_process import free_port
 
         self.engine = AsyncLLM(llm.engine).start()
@@ -368,7 +368,7 @@ def test_live_server_fails_only_the_faulted_request(fresh):
 def test_kv_pressure_is_exact_pins_thrashers_and_finishes_in_bounded_steps():
     from prometheus_client import generate_latest
 
-    from kvpage.server.metrics import ServerMetrics
+    from kvpage.entrypoints.openai.metrics import ServerMetrics
 
     model = tiny_model("llama")
     prompts = [[5 + i] * 8 for i in range(8)]
@@ -409,7 +409,7 @@ def test_a_request_larger_than_the_pool_is_refused_up_front():
 
 
 def test_a_full_waiting_queue_refuses_cleanly_and_keeps_serving(fresh, expected):
-    from kvpage.scheduler import QueueFullError
+    from kvpage.core.sched.output import QueueFullError
 
     engine, scheduler = fresh.engine, fresh.engine.scheduler
     original = scheduler.config

@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvpage import LLM, SamplingParams
-from kvpage.async_engine import AsyncLLM
-from kvpage.outputs import RequestOutput, StreamDelta
+from kvpage.engine.async_llm import AsyncLLM
+from kvpage.engine.outputs import RequestOutput, StreamDelta
 from test_faults import assert_no_leak, bounded_generate
 from test_faults import one_torch_thread  # noqa: F401 - an autouse fixture
 from tiny_models import VOCAB, char_tokenizer, tiny_model

@@ -103,7 +103,7 @@ def test_hybrid_off_matches_hybrid_on():
 def test_group_metrics_are_reported():
     from prometheus_client import generate_latest
 
-    from kvpage.server.metrics import ServerMetrics
+    from kvpage.entrypoints.openai.metrics import ServerMetrics
 
     llm = LLM(tiny_model("gemma2"), block_size=4, num_kv_blocks=64, max_model_len=128)
     try:

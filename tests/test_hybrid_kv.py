@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 
 from kvpage import CacheConfig, SamplingParams, Scheduler, SchedulerConfig
-from kvpage.core.block_pool import BlockPool
-from kvpage.core.kv_groups import KVCacheGroups, plan_kv_groups
-from kvpage.core.radix_cache import RadixCache
+from kvpage.core.kv.block_pool import BlockPool
+from kvpage.core.kv.kv_groups import KVCacheGroups, plan_kv_groups
+from kvpage.core.kv.radix_cache import RadixCache
 
 GEMMA3 = [8, 8, 8, 8, 8, None]  # five sliding layers of window 8, then one full layer
 

@@ -19,7 +19,7 @@ zmq = pytest.importorskip("zmq")
 
 from kvpage import LLM, SamplingParams  # noqa: E402
 from kvpage.core.block_hash import external_hash  # noqa: E402
-from kvpage.kv_events_publisher import END_SEQ, KVEventBatch, decode_batch  # noqa: E402
+from kvpage.engine.kv_events_publisher import END_SEQ, KVEventBatch, decode_batch  # noqa: E402
 from tiny_models import VOCAB, tiny_model  # noqa: E402
 
 WAIT_S = 10.0
@@ -131,7 +131,7 @@ def test_the_event_stream_rebuilds_every_tier(tmp_path):
 def test_the_wire_format_is_vllms():
     """Tagged msgpack maps inside a batch map, the fields vLLM's subscribers read."""
     from kvpage.core import kv_events as core
-    from kvpage.kv_events_publisher import to_wire
+    from kvpage.engine.kv_events_publisher import to_wire
 
     digest = bytes(range(32))
     events = [to_wire(core.BlockStored((digest,), None, (1, 2, 3, 4), 4, "GPU")),

@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from kvpage import BlockPool, CacheConfig, EngineConfig, RadixCache, Request, SamplingParams, Scheduler, SchedulerConfig
 from kvpage.core.block_hash import chain_hashes, external_hash, namespace_root
 from kvpage.core.kv_events import MEDIUM_DISK, MEDIUM_HOST, MEDIUM_POOL, BlockRemoved, BlockStored, KVEventLog
-from kvpage.core.kv_offload import KVOffloadManager
-from kvpage.core.tier_pool import TierPool
+from kvpage.core.offload.kv_offload import KVOffloadManager
+from kvpage.core.offload.tier_pool import TierPool
 
 TOKENS = list(range(3, 3 + 12))
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from kvpage.cli import main
+from kvpage.entrypoints.cli.main import main
 
 GIB = 1 << 30
 

@@ -22,7 +22,7 @@ import torch
 
 from kvpage import LLM, SamplingParams
 from kvpage.core.config import disk_entry_bytes
-from kvpage.tiers.disk_store import DiskKVStore
+from kvpage.storage.tiers.disk_store import DiskKVStore
 from tiny_models import VOCAB, kv_groups_of, tiny_model
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)

@@ -196,7 +196,7 @@ def test_prompts_admitted_together_share_their_common_prefix(llm):
 
 
 def test_patch_is_the_drop_in_for_a_loaded_model():
-    from kvpage.adapters import patch
+    from kvpage import patch
 
     model = tiny_model("mistral")
     expected = hf_greedy(model, [5, 6, 7, 8], 6)

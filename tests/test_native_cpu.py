@@ -1,4 +1,4 @@
-"""The native CPU kernels (``kvpage.attention.native_cpu``): decode attention and KV row
+"""The native CPU kernels (``kvpage.kernels.native_cpu``): decode attention and KV row
 stores against the numpy reference, the fused write-and-attend path against the separate
 calls, the fallbacks, and the claim that they run on torch's OpenMP pool."""
 from __future__ import annotations
@@ -13,7 +13,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("numba")
 
-from kvpage.attention import native_cpu, paged_attention_reference  # noqa: E402
+from kvpage.attention import paged_attention_reference  # noqa: E402
+from kvpage.kernels import native_cpu  # noqa: E402
 from kvpage.attention.cpu import (  # noqa: E402
     paged_attention_cpu, prepare_cpu_attention_metadata, write_and_attend_cpu, write_kv_cpu)
 
@@ -203,10 +204,10 @@ def test_kernels_share_torchs_openmp_runtime():
     libgomp torch loaded (numba's parallel loops bring a second copy)."""
     script = """
 import numpy as np, torch
-from kvpage.threads import loaded_openmp_runtimes
+from kvpage.platform.threads import loaded_openmp_runtimes
 torch.ones(64, 64) @ torch.ones(64, 64)
 before = loaded_openmp_runtimes()
-from kvpage.attention import native_cpu
+from kvpage.kernels import native_cpu
 lib = native_cpu.library()
 q = torch.zeros(1, 2, 32); kc = torch.zeros(1, 16, 1, 32)
 native_cpu.decode_attention(lib, "float32", q.data_ptr(), q.stride()[:2], kc.data_ptr(), kc.data_ptr(),
@@ -275,7 +276,7 @@ def test_bf16_prefill_without_amx_matches_reference():
     hence a child process), and that path passes the same reference cases as the AMX one."""
     if not native_cpu.prefill_uses_amx(native_cpu.library(), "bfloat16", 64):
         pytest.skip("no AMX here: the in-process cases already run the vector path")
-    check = "from kvpage.attention import native_cpu as n; assert not n.prefill_uses_amx(n.library(), 'bfloat16', 64)"
+    check = "from kvpage.kernels import native_cpu as n; assert not n.prefill_uses_amx(n.library(), 'bfloat16', 64)"
     env = {**os.environ, "KVPAGE_AMX": "0"}
     out = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
@@ -291,7 +292,7 @@ def test_bf16_prefill_without_amx_matches_reference():
 def test_row_argmax_is_torch_max(cols, strided):
     """Value and first index of each row's maximum, as ``torch.max(dim=-1)``: ties, rows of
     -inf, NaN (first NaN wins) and +inf, contiguous and row-strided."""
-    from kvpage.sampler import _row_max_argmax
+    from kvpage.engine.sampler import _row_max_argmax
     g = torch.Generator().manual_seed(cols)
     full = torch.randint(-3, 4, (9, cols + 5 * strided), generator=g).float()  # small ints: many ties
     x = full[:, :cols]
@@ -310,7 +311,7 @@ def test_row_argmax_is_torch_max(cols, strided):
 def test_sampler_greedy_tokens_without_the_library(monkeypatch):
     """The sampler's argmax falls back to torch (and agrees) without the native library,
     and for logits the kernel does not take (float64, column-strided)."""
-    from kvpage.sampler import _row_max_argmax
+    from kvpage.engine.sampler import _row_max_argmax
     x = torch.randn(6, 300, generator=torch.Generator().manual_seed(1))
     native = _row_max_argmax(x)[1]
     assert torch.equal(_row_max_argmax(x.double())[1], native)

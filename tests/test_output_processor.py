@@ -16,10 +16,10 @@ from kvpage import (
     SchedulerConfig,
 )
 from kvpage.core.request import sample_request_id
-from kvpage.interfaces import SampleResult
-from kvpage.output_processor import OutputProcessor, sequence_ids
+from kvpage.engine.interfaces import SampleResult
+from kvpage.engine.output_processor import OutputProcessor, sequence_ids
 from char_tokenizer import SPECIAL, CharTokenizer  # noqa: F401
-from kvpage.outputs import RequestMetrics, RequestOutput, StreamDelta
+from kvpage.engine.outputs import RequestMetrics, RequestOutput, StreamDelta
 
 BS = 4
 

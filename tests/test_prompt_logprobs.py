@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from kvpage import LLM, SamplingParams
-from kvpage.core.metadata import build_step_metadata
+from kvpage.core.sched.metadata import build_step_metadata
 from kvpage.core.request import Request
-from kvpage.sampler import Sampler
+from kvpage.engine.sampler import Sampler
 from tiny_models import VOCAB, tiny_model
 
 

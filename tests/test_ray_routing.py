@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from kvpage.core.block_hash import prompt_block_hashes
-from kvpage.core.block_pool import BlockPool
-from kvpage.core.radix_cache import RadixCache
-from kvpage.ray_serve.prefix_policy import ReplicaView, matched_blocks, rank_replicas
+from kvpage.core.kv.block_pool import BlockPool
+from kvpage.core.kv.radix_cache import RadixCache
+from kvpage.entrypoints.ray_serve.prefix_policy import ReplicaView, matched_blocks, rank_replicas
 
 
 # ---------------------------------------------------------------------- block hashes
@@ -85,9 +85,9 @@ def tokenizer():
 
 
 def test_routing_keys_follow_the_replicas_tokenization(tokenizer):
-    from kvpage.ray_serve.routing_key import routing_key
-    from kvpage.server import handlers
-    from kvpage.server.protocol import ChatCompletionRequest
+    from kvpage.entrypoints.ray_serve.routing_key import routing_key
+    from kvpage.entrypoints.openai import handlers
+    from kvpage.entrypoints.openai.protocol import ChatCompletionRequest
 
     body = {"model": "m", "prompt": "abcdefghij", "max_tokens": 1}
     key = routing_key("/v1/completions", json.dumps(body).encode(), tokenizer, 4)
@@ -104,7 +104,7 @@ def test_routing_keys_follow_the_replicas_tokenization(tokenizer):
 @pytest.mark.parametrize("path,body", [("/v1/completions", b"{not json"), ("/v1/completions", b'{"prompt": ""}'),
                                        ("/v1/chat/completions", b'{"messages": 3}'), ("/health", b"")])
 def test_bad_or_unkeyed_requests_get_the_empty_key(tokenizer, path, body):
-    from kvpage.ray_serve.routing_key import RoutingKey, routing_key
+    from kvpage.entrypoints.ray_serve.routing_key import RoutingKey, routing_key
 
     assert routing_key(path, body, tokenizer, 4) == RoutingKey.empty()
 
@@ -114,7 +114,7 @@ def test_asgi_bridge_streams_head_then_body_and_disconnects_on_close():
     from fastapi import FastAPI
     from fastapi.responses import StreamingResponse
 
-    from kvpage.ray_serve.asgi_bridge import HttpHead, HttpRequest, run_asgi
+    from kvpage.entrypoints.ray_serve.asgi_bridge import HttpHead, HttpRequest, run_asgi
 
     app = FastAPI()
     closed = asyncio.Event()
@@ -155,7 +155,7 @@ def test_asgi_bridge_streams_head_then_body_and_disconnects_on_close():
 def test_router_metrics_reexport_replica_metrics_with_a_label():
     from prometheus_client import generate_latest
 
-    from kvpage.ray_serve.router_metrics import RouterMetrics
+    from kvpage.entrypoints.ray_serve.router_metrics import RouterMetrics
 
     metrics = RouterMetrics()
     metrics.observe("prefix", 100, 80)
@@ -173,7 +173,7 @@ def test_the_serve_config_file_builds_through_kvpage_serves_parser():
     pytest.importorskip("ray.serve")
     import yaml
 
-    from kvpage.ray_serve.app import _argv, app_builder
+    from kvpage.entrypoints.cli.ray_app import _argv, app_builder
 
     config = yaml.safe_load((Path(__file__).parents[1] / "docs" / "ray-serve.yaml").read_text())
     args = config["applications"][0]["args"]

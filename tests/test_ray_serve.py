@@ -14,8 +14,8 @@ import pytest
 
 pytest.importorskip("ray.serve")
 
-from kvpage.ray_serve.app import build_app  # noqa: E402
-from kvpage.ray_serve.local import deploy, local_serve, replica_actor_names, wait_for_replicas  # noqa: E402
+from kvpage.entrypoints.ray_serve.app import build_app  # noqa: E402
+from kvpage.entrypoints.ray_serve.local import deploy, local_serve, replica_actor_names, wait_for_replicas  # noqa: E402
 from server_process import free_port, save_tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.ray

@@ -6,7 +6,7 @@ import httpx
 import pytest
 
 from kvpage import LLM, SamplingParams
-from kvpage.model_registry import cache_root, resolve_model_path, smollm2_gguf_path
+from kvpage.platform.model_registry import cache_root, resolve_model_path, smollm2_gguf_path
 from server_process import running_server
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]

@@ -20,12 +20,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpage import LLM, SamplingParams
-from kvpage.core.block_pool import BlockPool
-from kvpage.core.kv_cache_manager import KVCacheManager
-from kvpage.core.metadata import build_step_metadata
-from kvpage.core.radix_cache import RadixCache
+from kvpage.core.kv.block_pool import BlockPool
+from kvpage.core.kv.kv_cache_manager import KVCacheManager
+from kvpage.core.sched.metadata import build_step_metadata
+from kvpage.core.kv.radix_cache import RadixCache
 from kvpage.core.request import Request
-from kvpage.core.state_slots import StateSlotPool
+from kvpage.core.kv.state_slots import StateSlotPool
 from tiny_models import RECURRENT_FAMILIES, VOCAB, hf_greedy, tiny_model
 
 MAX_NEW = 8
@@ -229,8 +229,8 @@ def test_hybrids_the_census_skips_are_exact_with_an_attention_layer(family, laye
     exactly in the census's two modes."""
     import transformers as tf
 
-    from kvpage.census.compare import census_prompts, compare_with_hf
-    from kvpage.census.tiny_config import tiny_overrides
+    from kvpage.tools.census.compare import census_prompts, compare_with_hf
+    from kvpage.tools.census.tiny_config import tiny_overrides
 
     config_class, model_class = {"bamba": (tf.BambaConfig, tf.BambaForCausalLM),
                                  "granitemoehybrid": (tf.GraniteMoeHybridConfig, tf.GraniteMoeHybridForCausalLM)}[family]
@@ -243,7 +243,7 @@ def test_hybrids_the_census_skips_are_exact_with_an_attention_layer(family, laye
 
 def test_check_reports_the_state_beside_the_kv():
     """``kvpage check``'s layout line names the recurrent state, per sequence, beside any KV."""
-    from kvpage.census.check import _kv_layout
+    from kvpage.tools.census.check import _kv_layout
 
     assert _kv_layout(tiny_model("mamba")).startswith("none (no attention layers); recurrent state in 2 layers, ")
     jamba = _kv_layout(tiny_model("jamba"))

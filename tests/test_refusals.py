@@ -12,7 +12,7 @@ tf = pytest.importorskip("transformers")
 
 from kvpage import LLM  # noqa: E402
 from kvpage.adapters.hf_runner import UnsupportedModelError  # noqa: E402
-from kvpage.census.tiny_config import tiny_config  # noqa: E402
+from kvpage.tools.census.tiny_config import tiny_config  # noqa: E402
 
 CASES = {
     # keys chosen among compressed ones by an indexer with a cache of its own (plain DSA

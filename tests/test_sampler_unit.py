@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from kvpage import Request, SamplingParams
-from kvpage.interfaces import SampleResult
-from kvpage.sampler import Sampler
+from kvpage.engine.interfaces import SampleResult
+from kvpage.engine.sampler import Sampler
 
 V = 16
 

@@ -11,12 +11,12 @@ import sys
 
 import pytest
 
-from kvpage.cli import build_parser, main
-from kvpage.cli_args import UsageError, normalize_bool_flags
+from kvpage.entrypoints.cli.main import build_parser, main
+from kvpage.entrypoints.cli.args import UsageError, normalize_bool_flags
 from kvpage.core.config import EngineConfig
-from kvpage.serve_cli import config_from_args, model_of
-from kvpage.serve_startup import device_warnings
-from kvpage.server.stats_log import is_idle, stats_line
+from kvpage.entrypoints.cli.serve import config_from_args, model_of
+from kvpage.entrypoints.cli.serve_startup import device_warnings
+from kvpage.entrypoints.openai.stats_log import is_idle, stats_line
 
 SEED = ("--port 8000 --gpu-memory-utilization 0.95 --block-size 16 --max-num-seqs 256 --enable-chunked-prefill True "
         "--max-num-batched-tokens 2048 --enable-prefix-caching").split()

@@ -21,8 +21,8 @@ from collections import Counter
 import pytest
 
 from kvpage import LLM, SamplingParams
-from kvpage.async_engine import AsyncLLM
-from kvpage.outputs import RequestOutput
+from kvpage.engine.async_llm import AsyncLLM
+from kvpage.engine.outputs import RequestOutput
 from test_faults import StepFaults, assert_no_leak
 from test_faults import one_torch_thread  # noqa: F401 - an autouse fixture
 from tiny_models import VOCAB, char_tokenizer, tiny_model

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from kvpage.thread_governor import (ThreadGovernor, governor_for, nearest_allowed, read_cpu_busy_ticks, read_own_ticks,
+from kvpage.platform.thread_governor import (ThreadGovernor, governor_for, nearest_allowed, read_cpu_busy_ticks, read_own_ticks,
                                    threads_for)
 
 

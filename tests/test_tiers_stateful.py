@@ -22,11 +22,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
 from kvpage import CacheConfig, SamplingParams, Scheduler, SchedulerConfig
-from kvpage.engine import LLMEngine
-from kvpage.kv_storage import KVCacheSpec, PagedKVCache
-from kvpage.sampler import Sampler
-from kvpage.tiers.agent import KVTierAgent
-from kvpage.tiers.disk_store import DiskKVStore
+from kvpage.engine.llm_engine import LLMEngine
+from kvpage.storage.kv_storage import KVCacheSpec, PagedKVCache
+from kvpage.engine.sampler import Sampler
+from kvpage.storage.tiers.agent import KVTierAgent
+from kvpage.storage.tiers.disk_store import DiskKVStore
 from tiny_models import VOCAB, char_tokenizer
 
 BS = 4

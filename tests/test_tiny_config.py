@@ -5,7 +5,7 @@ import pytest
 
 tf = pytest.importorskip("transformers")
 
-from kvpage.census.tiny_config import HIDDEN, VOCAB, candidate_overrides, tiny_config  # noqa: E402
+from kvpage.tools.census.tiny_config import HIDDEN, VOCAB, candidate_overrides, tiny_config  # noqa: E402
 
 
 def test_llama_shrinks_every_size_and_keeps_mha():

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from kvpage import Request, RequestStatus, SamplingParams
-from kvpage.core.waiting_queue import WaitingQueue
+from kvpage.core.sched.waiting_queue import WaitingQueue
 
 
 def req(request_id: str, arrival_order: int, priority: int = 0) -> Request:

@@ -14,7 +14,7 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden
 
 
 def _census_tiny(config_class):
-    from kvpage.census.tiny_config import tiny_config
+    from kvpage.tools.census.tiny_config import tiny_config
 
     return tiny_config(config_class)
 
@@ -139,7 +139,7 @@ def kv_groups_of(model) -> int:
         return kv_spec_from_config(model.config, 4, "float32").kv_groups().num_groups
     except ValueError:  # KV shared across layers: only a probe of the loaded model plans it
         from kvpage.adapters.hf_runner import HFModelRunner
-        from kvpage.kv_storage import KVCacheSpec
+        from kvpage.storage.kv_storage import KVCacheSpec
 
         runner = HFModelRunner(model)
         try:

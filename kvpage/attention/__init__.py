@@ -16,9 +16,9 @@ Every backend implements the same two operations over paged KV buffers shaped
 backend also offers ``write_and_attend_cpu``: both operations in one call (one native
 call per layer for decode-only steps).
 """
-from .cpu import (CPUAttentionMetadata, paged_attention_cpu, prepare_cpu_attention_metadata, write_and_attend_cpu,
+from kvpage.attention.cpu import (CPUAttentionMetadata, paged_attention_cpu, prepare_cpu_attention_metadata, write_and_attend_cpu,
                   write_kv_cpu)
-from .reference import paged_attention_reference, write_kv_reference
+from kvpage.attention.reference import paged_attention_reference, write_kv_reference
 
 # ``cpu`` imports numpy only; its native/numba/torch backends load on first call.
 __all__ = ["paged_attention_reference", "write_kv_reference", "paged_attention_cpu", "write_kv_cpu",

@@ -27,7 +27,7 @@ is smaller than K's) always take the torch backend, both phases: the numba kerne
 and V of one shape (``kv_layouts_differ``).
 
 Those figures chose between numba and torch. Since then torch inputs take the native
-kernels (:mod:`kvpage.attention.native_cpu`) where they build:
+kernels (:mod:`kvpage.kernels.native_cpu`) where they build:
 
 * prefill: ten ~210-token prompts, SmolLM2's heads (9 query / 3 KV, head_dim 64): the
   matmul-shaped native kernel takes 3.9 ms per layer in bf16 and 7.4 ms in fp32, against
@@ -57,7 +57,7 @@ import numpy as np
 #: where it is unavailable or unfit), "numba" or "torch"; see the module docstring.
 PREFILL_BACKEND = "native"
 #: Backend for the leading query-length-1 sequences of torch inputs: "native" (the C++
-#: kernel of :mod:`kvpage.attention.native_cpu`; numba where it is unavailable or unfit),
+#: kernel of :mod:`kvpage.kernels.native_cpu`; numba where it is unavailable or unfit),
 #: "numba" or "torch".
 DECODE_BACKEND = "native"
 #: The numba decode kernel is specialized per head size through tuple-length types, and
@@ -71,7 +71,7 @@ def decodes_of(query_start_loc, num_decodes: Optional[int]) -> int:
     query-length-1 sequences by the metadata's own rule."""
     if num_decodes is not None:
         return int(num_decodes)
-    from kvpage.core.metadata import leading_decodes
+    from kvpage.core.sched.metadata import leading_decodes
 
     return leading_decodes(np.diff(np.asarray(query_start_loc, dtype=np.int64)))
 
@@ -107,7 +107,7 @@ class CPUAttentionMetadata:
     def work(self) -> np.ndarray:
         """Numba prefill work tiles (built on first use)."""
         if self._work is None:
-            from .numba_cpu import build_work_tiles
+            from kvpage.attention.numba_cpu import build_work_tiles
 
             self._work = build_work_tiles(self.query_start_loc, self.num_decodes)
         return self._work
@@ -116,7 +116,7 @@ class CPUAttentionMetadata:
         """Context splits per decode sequence (``numba_decode.decode_splits``), once per step."""
         key = (num_threads, block_size)
         if key not in self._splits:
-            from .numba_decode import decode_splits
+            from kvpage.kernels.numba_decode import decode_splits
 
             longest = int(self.seq_lens[:self.num_decodes].max()) if self.num_decodes else 0
             self._splits[key] = decode_splits(self.num_decodes, longest, block_size, num_threads)
@@ -210,14 +210,14 @@ def paged_attention_cpu(
         metadata = prepare_cpu_attention_metadata(query_start_loc, seq_lens, block_tables)
     if attention_chunk or alibi_slopes is not None:
         if not _is_torch(q):
-            from .reference import paged_attention_reference
+            from kvpage.attention.reference import paged_attention_reference
 
             return paged_attention_reference(q, key_cache, value_cache, metadata.query_start_loc, metadata.seq_lens,
                                              metadata.block_tables, scaling, sliding_window, softcap, sinks,
                                              attention_chunk=attention_chunk, alibi_slopes=alibi_slopes)
         import torch
 
-        from .torch_cpu import paged_attention_torch
+        from kvpage.attention.torch_cpu import paged_attention_torch
 
         return paged_attention_torch(q, key_cache, value_cache, metadata.torch_index("query_start_loc"),
                                      metadata.torch_index("seq_lens"), metadata.torch_index("block_tables"), scaling,
@@ -233,7 +233,7 @@ def paged_attention_cpu(
         decode_backend = "torch"
     if not _is_torch(q):
         if decode_backend == "torch":  # numba missing or unfit: the numpy oracle is the only numpy path
-            from .reference import paged_attention_reference
+            from kvpage.attention.reference import paged_attention_reference
 
             return paged_attention_reference(q, key_cache, value_cache, metadata.query_start_loc,
                                              metadata.seq_lens, metadata.block_tables, scaling, sliding_window,
@@ -254,7 +254,7 @@ def write_and_attend_cpu(q, k, v, key_cache, value_cache, scaling: float, slidin
     decode step, and the separate calls cost several times the kernel's own work in Python.
     """
     if _fused_native_fits(q, k, v, key_cache, value_cache, metadata, write):
-        from . import native_cpu
+        from kvpage.kernels import native_cpu
 
         num_threads = _torch_threads()
         sinks_np = _sinks_f32(sinks)
@@ -306,7 +306,7 @@ def _fused_native_fits(q, k, v, key_cache, value_cache, md: CPUAttentionMetadata
 
 
 def _numba_numpy(q, key_cache, value_cache, md, scaling, sliding_window, softcap, sinks):
-    from .numba_cpu import paged_attention_numba
+    from kvpage.attention.numba_cpu import paged_attention_numba
 
     out = paged_attention_numba(q, key_cache, value_cache, md.query_start_loc, md.seq_lens, md.block_tables,
                                 scaling, sliding_window, softcap, sinks, num_decodes=md.num_decodes, work=md.work)
@@ -317,7 +317,7 @@ def _dispatch_torch(q, key_cache, value_cache, md, scaling, sliding_window, soft
                     prefill_backend):
     import torch
 
-    from . import torch_cpu
+    from kvpage.attention import torch_cpu
 
     nd, num_seqs = md.num_decodes, md.seq_lens.shape[0]
     if "native" in (decode_backend, prefill_backend) and (not nd or decode_backend == "native") \
@@ -331,7 +331,7 @@ def _dispatch_torch(q, key_cache, value_cache, md, scaling, sliding_window, soft
         return torch_cpu.paged_attention_torch(q, key_cache, value_cache, md.torch_index("query_start_loc"),
                                                md.torch_index("seq_lens"), md.torch_index("block_tables"), scaling,
                                                sliding_window, softcap, sinks, num_decodes=nd)
-    from .numba_cpu import paged_attention_numba
+    from kvpage.attention.numba_cpu import paged_attention_numba
 
     kc, vc, cache_dtype = _cache_views(key_cache, value_cache)
     sinks_np = _sinks_f32(sinks)
@@ -354,7 +354,7 @@ def _dispatch_torch(q, key_cache, value_cache, md, scaling, sliding_window, soft
 def cpu_kernels_summary(dtype_name: str, head_dims) -> str:
     """Which kernels CPU attention of this KV dtype and these head sizes runs on, in words
     (the start-up report): native (which variant) or numba, and whether prefill uses AMX."""
-    from . import native_cpu
+    from kvpage.kernels import native_cpu
 
     lib = native_cpu.library()
     if lib is None:
@@ -367,7 +367,7 @@ def cpu_kernels_summary(dtype_name: str, head_dims) -> str:
 
 def _native_decodable(q, key_cache) -> bool:
     """Whether the native decode kernel takes these tensors (caches already match in layout)."""
-    from . import native_cpu
+    from kvpage.kernels import native_cpu
 
     name = _dtype_name(key_cache.dtype)
     return (q.dtype == key_cache.dtype and key_cache.device.type == "cpu" and native_cpu.library() is not None
@@ -379,7 +379,7 @@ def _native_attention(q, key_cache, value_cache, md, scaling, sliding_window, so
     the native prefill kernel (``prefill_native``) or torch."""
     import torch
 
-    from . import native_cpu
+    from kvpage.kernels import native_cpu
 
     if q.stride(-1) != 1:
         q = q.contiguous()
@@ -408,7 +408,7 @@ def _native_attention(q, key_cache, value_cache, md, scaling, sliding_window, so
 def _torch_prefill_into(result, q, key_cache, value_cache, md, scaling, sliding_window, softcap, sinks) -> None:
     import torch
 
-    from .torch_cpu import prefill_one_torch
+    from kvpage.attention.torch_cpu import prefill_one_torch
 
     sinks_t = None if sinks is None else torch.as_tensor(sinks, dtype=torch.float32)
     tables = md.torch_index("block_tables")
@@ -467,11 +467,11 @@ def write_kv_cpu(key_cache, value_cache, k, v, slot_mapping=None, *,
             if _numba_available():
                 _store_numba(key_cache, value_cache, k, v, slots)
                 return
-        from .torch_cpu import write_kv_torch
+        from kvpage.attention.torch_cpu import write_kv_torch
 
         write_kv_torch(key_cache, value_cache, k, v, slot_mapping)
     else:
-        from .reference import write_kv_reference
+        from kvpage.attention.reference import write_kv_reference
 
         write_kv_reference(key_cache, value_cache, k, v, slot_mapping)
 
@@ -485,7 +485,7 @@ def _row_storable(key_cache, value_cache) -> bool:
 def _store_native(key_cache, value_cache, k, v, slots: np.ndarray) -> bool:
     """The native row store (``slots`` int64, already checked against the row counts);
     False, nothing written, where the library is unavailable."""
-    from . import native_cpu
+    from kvpage.kernels import native_cpu
 
     lib = native_cpu.library()
     if lib is None:
@@ -503,7 +503,7 @@ def _store_native(key_cache, value_cache, k, v, slots: np.ndarray) -> bool:
 
 
 def _store_numba(key_cache, value_cache, k, v, slots: np.ndarray) -> None:
-    from .numba_cpu import store_kv_numba
+    from kvpage.attention.numba_cpu import store_kv_numba
 
     rows = [_numba_view(x.to(key_cache.dtype).contiguous()) for x in (k, v)]
     store_kv_numba(_numba_view(key_cache), _numba_view(value_cache), *rows, slots)

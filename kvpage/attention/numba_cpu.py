@@ -5,7 +5,7 @@ Contract: the one in :mod:`kvpage.attention` (same masks, softcap, sinks, GQA ru
 torch CPU tensors are viewed zero-copy by :mod:`kvpage.attention.cpu`.
 
 Two kernels (the dispatcher feeds both from one precomputed step metadata):
-  * decode (the leading query-length-1 sequences): :mod:`kvpage.attention.numba_decode`.
+  * decode (the leading query-length-1 sequences): :mod:`kvpage.kernels.numba_decode`.
   * tiled (prefill, chunked prefill, prefix hits): one work item = (tile of up to
     ``PREFILL_TILE`` query rows of one sequence, KV head). Per KV block the K rows are
     copied (and converted) into an fp32 ``[head_dim, block_size]`` scratch, so the q.k loop
@@ -27,9 +27,9 @@ import numpy as np
 from numba import get_num_threads, njit, prange, types
 from numba.extending import overload
 
-from .cpu import decodes_of
-from .numba_decode import run_decode
-from .numba_math import MODE_BF16, MODE_F16, MODE_F32
+from kvpage.attention.cpu import decodes_of
+from kvpage.kernels.numba_decode import run_decode
+from kvpage.kernels.numba_math import MODE_BF16, MODE_F16, MODE_F32
 
 #: Query rows per prefill work item. Decode sequences are always a tile of one row.
 PREFILL_TILE = 16

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .cpu import decodes_of
+from kvpage.attention.cpu import decodes_of
 
 
 def as_long(index) -> torch.Tensor:

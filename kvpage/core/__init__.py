@@ -10,20 +10,21 @@ what moves between them (``tier_pool``, ``kv_offload``, ``kv_transfers``), the s
 side of them (``tier_scheduling``, ``fetch_waits``), and KV events (``kv_events``).
 
 May import: numpy and the standard library only. Never torch, and nothing from
-``kvpage.adapters``, ``kvpage.server`` or ``kvpage.bench``: other servers embed this
+``kvpage.adapters``, ``kvpage.entrypoints.openai`` or ``kvpage.tools.bench``: other servers embed this
 package as a library (``tests/test_packaging.py`` enforces it).
 """
 from __future__ import annotations
 
-from .block_pool import BlockPool, NoFreeBlocksError
-from .config import CacheConfig, EngineConfig, SchedulerConfig
-from .kv_cache_manager import KVCacheManager
-from .kv_groups import KVCacheGroups, KVGroup, plan_kv_groups
-from .metadata import StepMetadata, build_step_metadata
-from .radix_cache import PrefixMatch, RadixCache
-from .request import FinishReason, Request, RequestStatus
-from .sampling_params import SamplingParams
-from .scheduler import QueueFullError, Scheduler, SchedulerOutput
+from kvpage.core.kv.block_pool import BlockPool, NoFreeBlocksError
+from kvpage.core.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvpage.core.kv.kv_cache_manager import KVCacheManager
+from kvpage.core.kv.kv_groups import KVCacheGroups, KVGroup, plan_kv_groups
+from kvpage.core.sched.metadata import StepMetadata, build_step_metadata
+from kvpage.core.kv.radix_cache import PrefixMatch, RadixCache
+from kvpage.core.request import FinishReason, Request, RequestStatus
+from kvpage.core.sampling_params import SamplingParams
+from kvpage.core.sched.output import QueueFullError, SchedulerOutput
+from kvpage.core.sched.scheduler import Scheduler
 
 __all__ = [
     "BlockPool", "NoFreeBlocksError", "CacheConfig", "EngineConfig", "SchedulerConfig", "KVCacheManager",

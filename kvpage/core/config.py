@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from .kv_events import KVEventsConfig
+from kvpage.core.kv_events import KVEventsConfig
 
 #: Bytes a disk-tier file takes beyond its block's KV (the safetensors header), before
 #: rounding up to the file system's 4 KiB allocation unit.

@@ -13,7 +13,7 @@ Every change of what a tier holds is one event, in the order it happened:
 
 Mediums follow vLLM: ``"GPU"`` is the engine's own block pool (on a CPU device too, as in
 vLLM's CPU build), ``"CPU"`` the host tier, ``"DISK"`` the disk tier. Hashes here are the
-32-byte ``BlockHash``; the publisher (``kvpage.kv_events_publisher``) turns them into
+32-byte ``BlockHash``; the publisher (``kvpage.engine.kv_events_publisher``) turns them into
 64-bit ints and batches one step's events into a ``KVEventBatch``.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any, Optional, Union
 
-from .block_hash import BlockHash
+from kvpage.core.block_hash import BlockHash
 
 MEDIUM_POOL = "GPU"
 MEDIUM_HOST = "CPU"

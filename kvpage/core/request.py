@@ -12,8 +12,8 @@ import enum
 import time
 from typing import Hashable, Optional, Sequence
 
-from .block_hash import BlockHash, chain_hashes, namespace_root
-from .sampling_params import SamplingParams
+from kvpage.core.block_hash import BlockHash, chain_hashes, namespace_root
+from kvpage.core.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

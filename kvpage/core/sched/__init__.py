@@ -1,0 +1,1 @@
+"""Scheduling: the waiting queue, the iteration-level scheduler and the step metadata it emits."""

@@ -1,0 +1,48 @@
+"""Prompt intake: a text or token-id prompt becomes validated token ids. Torch-free."""
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Any, Sequence, Union
+
+from kvpage.core.sampling_params import SamplingParams
+
+Prompt = Union[str, Sequence[int]]
+
+
+class PromptEncoder:
+    """Tokenizes text prompts and checks token ids against the model's vocabulary."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        """Token ids of ``prompt``; raises ``ValueError`` naming what is wrong with it."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty")
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer; pass token ids instead")
+            ids = list(self.tokenizer.encode(prompt))
+            if not ids:
+                raise ValueError("the prompt encodes to no tokens")
+        else:
+            try:  # operator.index: ints (numpy and 0-d tensors too), never floats, strings or None
+                ids = [operator.index(t) for t in prompt]
+            except TypeError:
+                raise ValueError("a prompt must be a string or a sequence of integer token ids") from None
+        if not ids:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        return ids
+
+
+def with_eos_stops(params: SamplingParams, eos_token_ids: Sequence[int]) -> SamplingParams:
+    """A model with several EOS ids: the first is the request's EOS, the others stop ids."""
+    if len(eos_token_ids) < 2 or params.ignore_eos:
+        return params
+    extra = tuple(t for t in eos_token_ids[1:] if t not in params.stop_token_ids)
+    return dataclasses.replace(params, stop_token_ids=tuple(params.stop_token_ids) + extra)

@@ -1,0 +1,1 @@
+"""The ``kvpage`` command line and its subcommands."""

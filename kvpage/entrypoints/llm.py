@@ -1,0 +1,162 @@
+"""``LLM``: the vLLM-style offline API over a model with paged KV.
+
+Model loading and engine assembly live in ``kvpage.engine.builder`` (Hugging Face);
+this module is the front end only. Imported lazily (``kvpage.LLM``) so that
+``import kvpage`` stays torch-free.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterator, Optional, Sequence, Union
+
+from kvpage.core.config import EngineConfig
+from kvpage.core.sampling_params import SamplingParams
+from kvpage.engine.llm_engine import LLMEngine
+from kvpage.engine.outputs import RequestOutput, StreamDelta
+
+PromptsArg = Union[str, Sequence[str], Sequence[Sequence[int]]]
+
+
+def engine_config(config: Optional[EngineConfig] = None, **options: Any) -> EngineConfig:
+    """``config`` (or the defaults) with ``options`` (``EngineConfig`` field names) applied."""
+    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    unknown = sorted(set(options) - names)
+    if unknown:
+        raise ValueError(f"unknown engine option(s) {unknown}; expected EngineConfig fields {sorted(names)}")
+    return dataclasses.replace(config or EngineConfig(), **options)
+
+
+class LLM:
+    """Paged, continuously batched generation for any supported HF decoder model.
+
+    ``model`` is a local HF folder, an alias (``"smollm2-135m"``) or a loaded
+    ``PreTrainedModel``. Settings come as one ``EngineConfig`` and/or as its fields by
+    keyword (``LLM(path, max_num_seqs=64)``); see ``EngineConfig`` for units and defaults.
+    """
+
+    def __init__(self, model: Any, tokenizer: Any = None, config: Optional[EngineConfig] = None,
+                 **options: Any) -> None:
+        from kvpage.engine.builder import build_hf_engine, load_model
+
+        self.config = engine_config(config, **options)
+        self.model, self.tokenizer, self.model_path = load_model(model, tokenizer, self.config)
+        self.engine: LLMEngine = build_hf_engine(self.model, self.tokenizer, self.config)
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, prompts: PromptsArg, sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in input order.
+
+        Raises ``ValueError`` (queuing nothing) if any prompt or parameter is invalid.
+        """
+        prompt_list = self._as_prompt_list(prompts)
+        params_list = self._as_params_list(sampling_params, len(prompt_list))
+        ids = self._add_all(prompt_list, params_list)
+        results: dict[str, RequestOutput] = {}
+        bar = self._progress(len(ids), use_tqdm)
+        try:
+            while len(results) < len(ids):
+                self.engine.step()
+                done = self.engine.take_finished()
+                results.update(done)
+                if bar is not None and done:
+                    bar.update(len(done))
+        except BaseException:
+            for rid in ids:
+                self.engine.abort(rid)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [results[rid] for rid in ids]
+
+    def stream(self, prompt: Union[str, Sequence[int]], sampling_params: Optional[SamplingParams] = None) -> Iterator[StreamDelta]:
+        """Yield incremental text and tokens for one prompt as they are produced."""
+        (rid,) = self._add_all([prompt], [sampling_params or SamplingParams()])
+        finished = False
+        try:
+            while not finished:
+                for delta in self.engine.step():
+                    if delta.request_id == rid:
+                        yield delta
+                finished = rid in self.engine.take_finished() or not self.engine.has_request(rid)
+        finally:
+            self.engine.abort(rid)
+
+    def _add_all(self, prompts: list, params: list) -> list[str]:
+        ids: list[str] = []
+        try:
+            for prompt, p in zip(prompts, params):
+                ids.append(self.engine.add_request(prompt, p))
+        except Exception:
+            for rid in ids:  # all or nothing: a bad prompt queues none of the batch
+                self.engine.abort(rid)
+            raise
+        return ids
+
+    @staticmethod
+    def _as_prompt_list(prompts: PromptsArg) -> list:
+        if isinstance(prompts, str):
+            return [prompts]
+        prompts = _as_list(prompts, "prompts")
+        if prompts and all(isinstance(t, int) for t in prompts):
+            raise ValueError("pass token-id prompts as a list of lists: [[1, 2, 3]]")
+        if not prompts:
+            raise ValueError("no prompts given")
+        return prompts
+
+    @staticmethod
+    def _as_params_list(params: Any, count: int) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams()] * count
+        if isinstance(params, SamplingParams):
+            return [params] * count
+        params = _as_list(params, "sampling_params")
+        if len(params) != count:
+            raise ValueError(f"got {len(params)} SamplingParams for {count} prompts")
+        return params
+
+    @staticmethod
+    def _progress(total: int, use_tqdm: bool):
+        if not use_tqdm:
+            return None
+        from tqdm.auto import tqdm
+
+        return tqdm(total=total, desc="Processed prompts", unit="req")
+
+    # ------------------------------------------------------------------ control
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+    def reset_prefix_cache(self) -> None:
+        """Empty the prefix cache and its lower tiers (host memory, disk files), as vLLM's.
+
+        Raises ``ValueError`` while a request holds cached blocks.
+        """
+        self.engine.reset_prefix_cache()
+
+    def close(self) -> None:
+        """Finish the disk tier's queued writes and stop background threads (idempotent)."""
+        self.engine.close()
+
+    def restore(self) -> None:
+        """Give the model back its original attention implementation (plain HF use)."""
+        self.engine.runner.restore()
+
+
+def _as_list(value: Any, name: str) -> list:
+    try:
+        return list(value)
+    except TypeError:
+        raise ValueError(f"{name} must be a list, got {type(value).__name__}") from None
+
+
+def patch(model: Any, tokenizer: Any = None, **config: Any) -> LLM:
+    """Bind a paged, continuously batching ``LLM`` to a loaded HF model.
+
+    ``config`` takes ``EngineConfig`` fields (block_size, num_kv_blocks, max_num_seqs, ...).
+    Raises ``UnsupportedModelError`` (a ``ValueError``) naming the reason when the model's
+    attention cannot be paged. Plain ``model.generate`` keeps working while patched;
+    ``llm.restore()`` gives the model back its own attention.
+    """
+    return LLM(model, tokenizer=tokenizer, **config)

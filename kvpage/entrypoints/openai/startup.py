@@ -1,0 +1,57 @@
+"""What a server does once its engine is loaded: a warm-up forward, and the start-up report.
+
+Shared by ``kvpage serve`` and each Ray Serve replica, so both warm up and report alike.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from kvpage.core.config import EngineConfig
+from kvpage.core.sampling_params import SamplingParams
+from kvpage.storage.kv_storage import kv_sizing_rule
+
+log = logging.getLogger("kvpage")
+
+
+def engine_summary(llm: Any, config: EngineConfig) -> list[str]:
+    """The start-up report: model, dtype, device, threads, and the KV pool and its sizing rule."""
+    import torch
+
+    runner, stats = llm.engine.runner, llm.stats()
+    device = runner.device
+    dtype = str(next(llm.model.parameters()).dtype).removeprefix("torch.")
+    backend = getattr(runner.backend, "name", type(runner.backend).__name__)
+    kv = getattr(runner, "kv_cache", None)
+    size = f", {kv.nbytes / 2**20:.1f} MiB {kv.spec.dtype}" if kv is not None else ""
+    rule = kv_sizing_rule(config.num_kv_blocks, config.kv_cache_memory, device.type)
+    limit = llm.engine.scheduler.config.max_model_len
+    kernels = ""
+    if device.type == "cpu" and kv is not None and kv.spec.layers:
+        from kvpage.attention.cpu import cpu_kernels_summary
+
+        kernels = f" ({cpu_kernels_summary(kv.spec.dtype, [layer.k_head_dim for layer in kv.spec.layers])})"
+    return [
+        f"model {llm.model_path or type(llm.model).__name__}: dtype {dtype}, device {device}, "
+        f"threads {torch.get_num_threads()}, attention backend {backend}{kernels}, max_model_len {limit}",
+        f"KV cache: {stats['num_blocks']} blocks of {config.block_size} tokens "
+        f"({stats['num_blocks'] * config.block_size} tokens{size}); sized by the {rule} rule",
+    ]
+
+
+def warm_up(llm: Any) -> float:
+    """One prefill and one decode through the whole engine; returns the seconds it took.
+
+    The warm-up request counts in the engine's token counters like any other.
+    """
+    engine = llm.engine
+    limit = engine.scheduler.config.max_model_len
+    prompt = [0] * max(1, min(2 * engine.scheduler.block_size + 1, limit - 2))
+    log.info("warming up: one prefill and one decode (first use compiles the kernels) ...")
+    start = time.perf_counter()
+    llm.generate([prompt], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), use_tqdm=False)
+    engine.step_stats.reset()
+    elapsed = time.perf_counter() - start
+    log.info("warm-up done in %.1f s", elapsed)
+    return elapsed

@@ -1,0 +1,1 @@
+"""Compute kernels over raw paged buffers: the native C++ CPU library and the Numba CPU kernels."""

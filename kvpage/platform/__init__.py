@@ -1,0 +1,1 @@
+"""The process's platform: compute threads, the thread governor, malloc tuning, model and cache paths."""

@@ -1,0 +1,1 @@
+"""Tools on top of the engine: ``kvpage bench`` and ``kvpage census``."""

@@ -1,0 +1,132 @@
+"""Runs the selected configurations side by side on each scenario and writes the report.
+
+Every configuration of a scenario sees the same workload and the same KV budget in
+bytes. Unless ``kv_budget_bytes`` is given, the budget is what ``static_seqs`` sequences
+at the longest scenario's ``max_len`` take: configuration A then batches ``static_seqs``
+requests (more on scenarios with shorter ``max_len``), while the paged configurations
+fit as many as the actual token counts allow. ``multi-turn`` sizes its own pool
+(``Workload.kv_budget_tokens``: a quarter of its conversations' history) so that its
+working set is several times the pool; it is left out of the shared budget.
+``long-context`` also brings its own model (``workload.SCENARIO_MODELS``) and pool, and
+compares E with and without hybrid KV groups (G) under that pool's bytes.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from kvpage.tools.bench import machine, model as model_mod, report, workload as wl
+from kvpage.tools.bench.runners import CONFIGS, RunContext
+
+DEFAULT_CONFIGS = {"sharegpt": "ABCDE", "burst": "ABCD", "shared-prefix": "ABDE", "multi-turn": "EF",
+                   "long-context": "GE"}
+
+
+@dataclass
+class SuiteOptions:
+    """Everything a run depends on. Token counts in tokens, ``kv_budget_bytes`` in bytes.
+
+    ``configs`` maps a scenario to the configuration letters run on it (default
+    ``DEFAULT_CONFIGS``); ``rate`` overrides the scale's Poisson arrival rate (requests/s).
+    """
+
+    model: str = "random-30m"
+    scenarios: tuple = wl.SCENARIOS
+    configs: Optional[dict] = None
+    scale: str = "cpu"
+    seed: int = 0
+    rate: Optional[float] = None
+    static_seqs: int = 8
+    kv_budget_bytes: Optional[int] = None
+    block_size: int = 16
+    max_num_seqs: int = 64
+    token_budget: int = 128
+    unchunked_token_budget: int = 2048
+    device: str = "cpu"
+    progress: bool = True
+    out_dir: Optional[Path] = None
+    extra: dict = field(default_factory=dict)
+
+
+def _budget(opts: SuiteOptions, loaded, workloads: list) -> int:
+    if opts.kv_budget_bytes is not None:
+        return opts.kv_budget_bytes
+    sized = [w for w in workloads if w.kv_budget_tokens is None] or workloads
+    longest = max(-(-w.max_len // opts.block_size) * opts.block_size for w in sized)
+    return opts.static_seqs * longest * loaded.kv_bytes_per_token
+
+
+def _scenario_budget(opts: SuiteOptions, loaded, workload, shared: int) -> int:
+    if opts.kv_budget_bytes is not None or workload.kv_budget_tokens is None:
+        return shared
+    return workload.kv_budget_tokens * loaded.kv_bytes_per_token
+
+
+def _run_scenario(opts: SuiteOptions, loaded, workload, budget: int, bar) -> dict[str, Any]:
+    ctx = RunContext(workload, loaded, budget, opts.block_size, opts.max_num_seqs, opts.token_budget,
+                     opts.unchunked_token_budget, opts.seed, opts.progress)
+    letters = (opts.configs or DEFAULT_CONFIGS).get(workload.name, "ABCDE")
+    results = []
+    for letter in letters:
+        bar.set_postfix_str(f"{workload.name} {letter}")
+        results.append(CONFIGS[letter][1](ctx))
+        bar.update(1)
+    return report.scenario_entry(workload, results, budget)
+
+
+def run_suite(opts: SuiteOptions) -> dict[str, Any]:
+    """Run every scenario; return the report dict (and write JSON/PNG/MD under ``out_dir``)."""
+    from tqdm.auto import tqdm
+
+    started = time.time()
+    loaded = model_mod.load(opts.model, opts.seed, opts.device)
+    models = {opts.model: loaded}
+
+    def model_for(scenario: str):
+        name = wl.SCENARIO_MODELS.get(scenario, opts.model)
+        if name not in models:
+            models[name] = model_mod.load(name, opts.seed, opts.device)
+        return models[name]
+
+    scale = wl.SCALES[opts.scale]
+    workloads = [wl.build(name, scale, model_for(name).vocab_size, opts.seed, opts.rate) for name in opts.scenarios]
+    budget = _budget(opts, loaded, workloads)
+    letters = opts.configs or DEFAULT_CONFIGS
+    total = sum(len(letters.get(w.name, "ABCDE")) for w in workloads)
+    scenarios = []
+    with tqdm(total=total, desc="kvpage bench", unit="run", disable=not opts.progress) as bar:
+        for workload in workloads:
+            own = model_for(workload.name)
+            scenario_budget = _scenario_budget(opts, own, workload, budget)
+            scenarios.append(_run_scenario(opts, own, workload, scenario_budget, bar))
+    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(opts).items()}
+    settings.update(num_params=loaded.num_params, kv_bytes_per_token=loaded.kv_bytes_per_token,
+                    kv_budget_bytes=budget, scale_params=asdict(scale))
+    result = {"format": "kvpage-bench/1", "machine": machine.describe(), "settings": settings,
+              "scenarios": scenarios, "elapsed_s": time.time() - started}
+    if opts.out_dir is not None:
+        write_outputs(result, Path(opts.out_dir))
+    return result
+
+
+def write_outputs(result: dict[str, Any], out_dir: Path) -> dict[str, Path]:
+    """Write ``bench.json``, ``bench.md`` and ``bench.png`` into ``out_dir``; return their paths."""
+    from kvpage.tools.bench.chart import write_png
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out_dir / "bench.json", "md": out_dir / "bench.md", "png": out_dir / "bench.png"}
+    result["chart_renderer"] = write_png(result, paths["png"])
+    paths["md"].write_text(markdown_report(result) + "\n", encoding="utf-8")
+    report.write_json(result, paths["json"])
+    return paths
+
+
+def markdown_report(result: dict[str, Any]) -> str:
+    m, s = result["machine"], result["settings"]
+    gpu = m["gpu"]["name"] if m["gpu"] else "none"
+    head = (f"kvpage bench — model {s['model']} ({s['num_params'] / 1e6:.1f}M params), scale {s['scale']}, "
+            f"KV budget {s['kv_budget_bytes'] / 2**20:.2f} MiB for every configuration; "
+            f"{m['cpu_model']} ({m['usable_cpus']} CPUs), torch {m['torch']}, GPU {gpu}")
+    return "\n\n".join([head] + [report.markdown(sc) for sc in result["scenarios"]])
