@@ -1,5 +1,5 @@
 """Attention backends the HF adapter can run on, behind one small protocol
-(``hf_attention.AttentionBackend``: ``prepare`` once per step, then ``write_kv`` and
+(``forward_context.AttentionBackend``: ``prepare`` once per step, then ``write_kv`` and
 ``attention`` per layer), registered by name.
 
 ``cpu`` is the fast CPU path, ``cuda`` the Numba kernels on GPU, and ``reference`` the
@@ -15,10 +15,12 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
+from kvpage.attention.cpu import CPUAttention, CPUKernelChoice
+from kvpage.attention.cpu_metadata import CPUAttentionMetadata, LayerCall, prepare_cpu_attention_metadata
 from kvpage.attention.reference import paged_attention_reference
 from kvpage.core.sched.metadata import StepMetadata
 
-from .hf_attention import AttentionBackend
+from .forward_context import AttentionBackend
 
 
 @dataclass(slots=True)
@@ -59,40 +61,35 @@ class ReferenceBackend:
 
 
 class CpuBackend:
-    """The measured-fastest CPU path (``kvpage.attention.cpu``): numba decode, torch prefill."""
+    """The CPU kernels (``kvpage.attention.cpu``): each attention site's native, numba or
+    torch kernels chosen once, on the site's first call, under ``choice``."""
 
     name = "cpu"
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, choice: CPUKernelChoice = CPUKernelChoice()) -> None:
         self.device = device
+        self.site_kernels = CPUAttention(choice)  # bound on each site's first call
 
-    def prepare(self, metadata: StepMetadata):
-        from kvpage.attention.cpu import prepare_cpu_attention_metadata
-
+    def prepare(self, metadata: StepMetadata) -> CPUAttentionMetadata:
         return prepare_cpu_attention_metadata(metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
                                               slot_mapping=metadata.slot_mapping, num_decodes=metadata.num_decodes)
 
-    def write_kv(self, key_cache, value_cache, k, v, prepared) -> None:
-        from kvpage.attention.cpu import write_kv_cpu
+    def write_kv(self, key_cache, value_cache, k, v, prepared: CPUAttentionMetadata) -> None:
+        if prepared.slot_mapping is None:
+            raise ValueError("the step's metadata has no slot_mapping to write K/V rows to")
+        self.site_kernels.store(key_cache, value_cache)(key_cache, value_cache, k, v, prepared.slot_mapping)
 
-        write_kv_cpu(key_cache, value_cache, k, v, metadata=prepared)
+    def attention(self, q, key_cache, value_cache, prepared: CPUAttentionMetadata, scaling: float,
+                  sliding_window: Optional[int], softcap: Optional[float], sinks: Optional[torch.Tensor],
+                  attention_chunk: Optional[int] = None, alibi_slopes: Optional[torch.Tensor] = None):
+        call = LayerCall(scaling, sliding_window, softcap, sinks, attention_chunk, alibi_slopes)
+        return self.site_kernels.kernels(q, key_cache, value_cache).attend(q, key_cache, value_cache, prepared, call)
 
-    def attention(self, q, key_cache, value_cache, prepared, scaling: float, sliding_window: Optional[int],
-                  softcap: Optional[float], sinks: Optional[torch.Tensor], attention_chunk: Optional[int] = None,
-                  alibi_slopes: Optional[torch.Tensor] = None):
-        from kvpage.attention.cpu import paged_attention_cpu
-
-        return paged_attention_cpu(q, key_cache, value_cache, scaling=scaling, sliding_window=sliding_window,
-                                   softcap=softcap, sinks=sinks, metadata=prepared, attention_chunk=attention_chunk,
-                                   alibi_slopes=alibi_slopes)
-
-    def write_and_attend(self, q, k, v, key_cache, value_cache, prepared, scaling: float,
+    def write_and_attend(self, q, k, v, key_cache, value_cache, prepared: CPUAttentionMetadata, scaling: float,
                          sliding_window: Optional[int], softcap: Optional[float], sinks: Optional[torch.Tensor],
                          write: bool = True):
-        from kvpage.attention.cpu import write_and_attend_cpu
-
-        return write_and_attend_cpu(q, k, v, key_cache, value_cache, scaling, sliding_window, softcap, sinks,
-                                    metadata=prepared, write=write)
+        return self.site_kernels.kernels(q, key_cache, value_cache).write_and_attend(
+            q, k, v, key_cache, value_cache, prepared, LayerCall(scaling, sliding_window, softcap, sinks), write)
 
 
 @dataclass(slots=True)

@@ -7,7 +7,7 @@ answer. For those, a *port* takes the place of each attention module in its pare
 loaded instance (no class is patched), and computes what the original computes with the
 original's own weights, submodules and helpers (its head splits, the modeling file's rotary
 function), except the attention itself, which goes to ``kvpage_attention_forward``.
-``install_ports(model)`` swaps them in and returns the undo; the runner installs them only
+``install_ports(model, spec)`` swaps them in and returns the undo; the runner installs them only
 while it owns the model, whose forwards then all run inside a kvpage step (a call outside
 one would get plain causal SDPA, without windows or ALiBi).
 
@@ -15,12 +15,12 @@ ALiBi families (Bloom, MPT, Falcon's ALiBi variant) build a position-bias tensor
 forward's rows, which in a kvpage step are many sequences. Their ports ignore it and carry
 the heads' slopes instead (``alibi_slopes``, read off the model's own ALiBi builder); the
 runner hands them to the attention backend per site, which adds ``slope * key position``
-within each sequence. A port knows its family's variants; ``port_refusal`` says which it
-does not serve.
+within each sequence. The family registry (``families``) says which ports a family uses
+and which of its variants they do not serve.
 
 A family whose modeling file later moves onto the interface stops needing its port: the
 runner installs ports only for models that cannot switch attention implementation. Falcon
-did so (transformers 5.25) and now folds ALiBi into the mask it builds; ``mask_alibi_slopes``
+did so (transformers 5.25) and now folds ALiBi into the mask it builds; ``falcon_mask_alibi_slopes``
 gives the runner those slopes instead. Its port stays for the releases before.
 """
 from __future__ import annotations
@@ -252,7 +252,7 @@ class DogeAttentionPort(_Port):
     (so the paged K of a Doge layer is one wider than its V). Doge keeps only the
     ``keep_window_size`` keys of highest bias once a sequence is longer than that; below it
     the mask is dense, and kvpage serves Doge up to that length
-    (``hf_engine.exact_length_limit``)."""
+    (``families.exact_length_limit``)."""
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, cache=None,
                 **kwargs):
@@ -272,7 +272,7 @@ class DogeAttentionPort(_Port):
         return inner.o_proj(out), None
 
 
-def _dense_when_cached(model: nn.Module) -> Callable[[], None]:
+def dense_when_cached(model: nn.Module) -> Callable[[], None]:
     """BigBird's block-sparse pattern is bidirectional and writes no cache, so HF's BigBird
     decoder switches itself to dense (``original_full``) attention on its first forward with
     a cache, as every ``generate`` has. kvpage's forwards carry no HF cache, so the port makes
@@ -285,10 +285,11 @@ def _dense_when_cached(model: nn.Module) -> Callable[[], None]:
     return lambda: bert.set_attention_type(before)
 
 
-class _PortSpec(NamedTuple):
+class PortSpec(NamedTuple):
     """Where a family's attention modules sit: ``layers`` (a dotted path from the causal-LM
     class ``model_class``) holds the decoder layers, ``attention`` (dotted, from a layer) the
-    module the port replaces. Layer ``i`` of that list is layer ``i`` of the model."""
+    module the port replaces. Layer ``i`` of that list is layer ``i`` of the model. The
+    registry (``families``) holds one per ported family."""
 
     model_class: str
     port: type
@@ -303,65 +304,9 @@ class _PortSpec(NamedTuple):
     prepare: Optional[Callable[[nn.Module], Callable[[], None]]] = None
 
 
-#: model_type -> where its attention modules sit and the port that replaces them.
-PORTS: dict[str, _PortSpec] = {
-    "gpt_neo": _PortSpec("GPTNeoForCausalLM", GPTNeoAttentionPort, "transformer.h", "attn.attention"),
-    "gpt_neox_japanese": _PortSpec("GPTNeoXJapaneseForCausalLM", GPTNeoXJapaneseAttentionPort,
-                                   "gpt_neox_japanese.layers", "attention"),
-    "falcon": _PortSpec("FalconForCausalLM", FalconAttentionPort, "transformer.h", "self_attention"),
-    "xglm": _PortSpec("XGLMForCausalLM", ScaledQueryAttentionPort, "model.layers", "self_attn"),
-    "trocr": _PortSpec("TrOCRForCausalLM", ScaledQueryAttentionPort, "model.decoder.layers", "self_attn"),
-    "mvp": _PortSpec("MvpForCausalLM", ScaledQueryAttentionPort, "model.decoder.layers", "self_attn"),
-    "rembert": _PortSpec("RemBertForCausalLM", BertSelfAttentionPort, "rembert.encoder.layer", "attention.self"),
-    "megatron-bert": _PortSpec("MegatronBertForCausalLM", BertSelfAttentionPort, "bert.encoder.layer",
-                               "attention.self"),
-    "big_bird": _PortSpec("BigBirdForCausalLM", BertSelfAttentionPort, "bert.encoder.layer", "attention.self",
-                          prepare=_dense_when_cached),
-    "roformer": _PortSpec("RoFormerForCausalLM", RoFormerSelfAttentionPort, "roformer.encoder.layer",
-                          "attention.self"),
-    "git": _PortSpec("GitForCausalLM", GitSelfAttentionPort, "git.encoder.layer", "attention.self",
-                     despite_interface=True),
-    "doge": _PortSpec("DogeForCausalLM", DogeAttentionPort, "model.layers", "self_attn", despite_interface=True),
-    "openai-gpt": _PortSpec("OpenAIGPTLMHeadModel", OpenAIGPTAttentionPort, "transformer.h", "attn"),
-    "bloom": _PortSpec("BloomForCausalLM", BloomAttentionPort, "transformer.h", "self_attention"),
-    "mpt": _PortSpec("MptForCausalLM", MptAttentionPort, "transformer.blocks", "attn"),
-}
-
-
-def has_port(model: nn.Module) -> bool:
-    spec = PORTS.get(getattr(model.config, "model_type", None))
-    return spec is not None and type(model).__name__ == spec.model_class
-
-
-def needs_port(model: nn.Module) -> bool:
-    """Whether kvpage serves ``model`` through its family's port: the model cannot switch
-    attention implementation (its attention is inline), or the family's spec says so."""
-    if not has_port(model):
-        return False
-    return not type(model)._can_set_attn_implementation() or PORTS[model.config.model_type].despite_interface
-
-
-def port_refusal(model: nn.Module) -> Optional[str]:
-    """Why the family's port cannot serve this model's variant, or None."""
-    config = model.config
-    why = None
-    if config.model_type == "bloom" and config.pretraining_tp > 1 and config.slow_but_exact:
-        why = "Bloom's slow_but_exact tensor-parallel slices (kvpage runs the output projection whole)"
-    elif getattr(config, "add_cross_attention", False):
-        why = "cross-attention layers (kvpage serves decoder-only self-attention)"
-    elif config.model_type == "mvp" and getattr(config, "use_prompt", False):
-        why = "MVP's attention prompts (kvpage's attention has no prompt keys)"
-    elif config.model_type == "big_bird" and config.attention_type != "original_full" and not config.is_decoder:
-        # As a decoder, HF's BigBird itself attends densely whenever it has a cache (see
-        # _dense_when_cached); only the bidirectional encoder uses the block-sparse pattern.
-        why = "BigBird's block-sparse attention outside a decoder (kvpage serves dense causal attention)"
-    return None if why is None else f"its attention port does not serve this variant: {why}"
-
-
-def install_ports(model: nn.Module) -> Callable[[], None]:
-    """Swap a port in for each attention module of ``model`` (``has_port`` must hold);
-    returns the function that puts the originals back."""
-    spec = PORTS[model.config.model_type]
+def install_ports(model: nn.Module, spec: PortSpec) -> Callable[[], None]:
+    """Swap ``spec``'s port in for each attention module of ``model`` (of class
+    ``spec.model_class``); returns the function that puts the originals back."""
     parent_path, _, attribute = spec.attention.rpartition(".")
     undo_prepared = spec.prepare(model) if spec.prepare is not None else (lambda: None)
     swapped = []
@@ -384,18 +329,15 @@ def alibi_slopes_by_layer(model: nn.Module) -> dict:
     return {m.layer_idx: m.alibi_slopes for m in model.modules() if isinstance(m, _Port) and m.alibi_slopes is not None}
 
 
-def mask_alibi_slopes(model: nn.Module) -> dict:
-    """``{layer: float32 slopes [heads]}`` for a family that goes through the interface but
-    folds ALiBi into the attention mask it builds (Falcon's ALiBi variant, since its
-    attention moved onto the interface), else ``{}``. kvpage builds no mask, so the runner
-    hands these slopes to the attention backend as it does a port's; scaled as the model
-    scales its bias (by ``1/sqrt(head_dim)``, the scores' own scale)."""
-    config = model.config
-    if getattr(config, "model_type", None) != "falcon" or not config.alibi or not has_port(model) \
-            or not type(model)._can_set_attn_implementation():
+def falcon_mask_alibi_slopes(model: nn.Module) -> dict:
+    """``{layer: float32 slopes [heads]}`` of a Falcon whose attention is on the interface and
+    folds ALiBi into the attention mask it builds, else ``{}`` (rotary Falcon). kvpage builds
+    no mask, so the runner hands these slopes to the attention backend as it does a port's;
+    scaled as the model scales its bias (by ``1/sqrt(head_dim)``, the scores' own scale)."""
+    if not model.config.alibi:
         return {}
     slopes = {}
-    for layer, block in enumerate(operator.attrgetter(PORTS["falcon"].layers)(model)):
+    for layer, block in enumerate(model.transformer.h):
         attention = block.self_attention
         slopes[layer] = _bloom_slopes(attention, attention.num_heads) * attention.inv_norm_factor
     return slopes

@@ -5,10 +5,10 @@ dynamo traces the whole HF forward into one graph without breaks. Shapes are dyn
 the token count ``T`` and the sampled-row count ``S``, so one compilation serves every
 step; both are padded up to a bucket (``padded_rows``): at least ``MIN_ROWS``, because
 dynamo specialises sizes 0 and 1 (a second graph otherwise), and then to a multiple of 8
-or 64, because oneDNN builds a matmul primitive per row count of each weight shape
-(0.5-3 ms each on first use, measured per SmolLM2 linear) and a run meeting every decode
-batch size from 1 to 64 built hundreds of them; the warm-up builds those of the decode
-buckets. Before inductor, ``graph_passes`` makes sibling oneDNN linears (q/k/v, gate/up) one matmul and has the rotary tables computed once per step.
+or 64, because oneDNN builds a matmul primitive (milliseconds) per row count of each
+weight shape on first use; the warm-up builds those of the decode buckets. Before
+inductor, ``graph_passes`` makes sibling oneDNN linears (q/k/v, gate/up) one matmul and has
+the rotary tables computed once per step.
 Compilation happens once, at engine start-up (``warm_up``), and inductor's caches live on
 disk under ``$KVPAGE_CACHE/inductor`` (``~/.cache/kvpage``), so a restart reuses the
 generated code.
@@ -32,8 +32,7 @@ MIN_ROWS = 2
 #: (``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``). Every later call has the
 #: warm-up's shapes and dtypes with other sizes of the dynamic ``T`` and ``S``, under
 #: inference mode, and the model is never changed while it is compiled, so no call needs a
-#: recompile: the full guard check (1.2-1.4 ms a step for SmolLM2's 30 layers, measured as
-#: "TorchDynamo Cache Lookup" in ``benchmarks/profile_steps.py``) only ever confirms the
+#: recompile: the full guard check (about a millisecond a step) only ever confirms the
 #: entry. Several engines in one process still get their own entries (their models differ
 #: in the differentiating guards). Should global state the guards cover change anyway (a
 #: caller's ``torch.set_num_threads``), the call falls back to full guards (``__call__``).
@@ -71,7 +70,7 @@ def _use_disk_cache() -> None:
 class CompiledForward:
     """``forward(input_ids [T], positions [T], rows [S]) -> logits [S, vocab]`` compiled once.
 
-    The caller binds the step context (``hf_attention.paged_step``) with
+    The caller binds the forward's context (``forward_context``) with
     ``num_real_tokens = T`` around each call; padded rows never touch the KV cache.
     """
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvpage.storage.kv_storage import KVCacheSpec, LayerKVSpec
+from kvpage.storage.spec import KVCacheSpec, LayerKVSpec
 
 from .layer_kinds import RECURRENT_KINDS
 

@@ -13,11 +13,9 @@ rewrites every set of ``kvpage::onednn_linear`` calls on one input into a single
 ``kvpage::onednn_linear_fused`` call whose output columns are the members' outputs side by
 side, each member's use reading its column range.
 
-Why (measured, ``benchmarks/bench_cpu_forward_ops.py``, interleaved): on this project's
-2-core machines SmolLM2's five input-sharing linears of one layer took, separately against
-fused, 175 vs 103 us for one bf16 row, 390 vs 287 us for 16 rows and 1309 vs 1104 us for
-64 (fp32: 437/333, 1127/983, 2025/1854 us). Each custom-op call also costs tens of
-microseconds of dispatch, and a decode step had 211 of them.
+Why: one matmul over the members' weights side by side is faster than the members one
+after another (fewer, larger oneDNN calls; docs/performance.md has the measurements), and
+each custom-op call saved is tens of microseconds of dispatch.
 
 The fused weight is packed on first use (``onednn_linear.fused_weight``) and lives as long
 as the members' oneDNN copies, which stay for the eager path: the fused weights' memory
@@ -167,12 +165,11 @@ def cpp_wrapper_patches(example_inputs) -> dict:
     """Inductor settings for the graph's wrapper: on CPU, a C++ wrapper (``cpp_wrapper``).
 
     Inductor's default wrapper is Python code that calls each of the step's kernels and
-    extern ops in turn: for SmolLM2's 30 layers several hundred Python calls per step, all
-    on the main thread while the other OpenMP threads wait. Its C++ wrapper makes those
-    calls from compiled code. On the vs-vLLM workload (bf16, 2 cores, 3 passes each,
-    alternated twice in one sitting) it raised throughput from 396-402 to 483-486 tok/s,
-    and a warm start took 42-43 s against 48. ``KVPAGE_CPP_WRAPPER=0`` (or the user's own
-    ``TORCHINDUCTOR_CPP_WRAPPER``) keeps inductor's choice. GPU graphs keep the Python wrapper.
+    extern ops in turn (several hundred Python calls per step for a 30-layer model), all on
+    the main thread while the other OpenMP threads wait; its C++ wrapper makes those calls
+    from compiled code, which raises CPU throughput and shortens a warm start.
+    ``KVPAGE_CPP_WRAPPER=0`` (or the user's own ``TORCHINDUCTOR_CPP_WRAPPER``) keeps
+    inductor's choice. GPU graphs keep the Python wrapper.
     """
     if os.environ.get("KVPAGE_CPP_WRAPPER", "1") == "0" or "TORCHINDUCTOR_CPP_WRAPPER" in os.environ:
         return {}

@@ -2,36 +2,40 @@
 
 Implements ``kvpage.engine.interfaces.ModelRunner``: ``execute(metadata)`` takes a
 ``StepMetadata`` and returns float32 logits ``[S, vocab]`` for ``metadata.logits_indices``
-(in that order). The model sees one
-flattened ragged batch ``[1, T]``; attention reads and writes the paged buffers.
+(in that order). The model sees one flattened ragged batch ``[1, T]``; attention reads and
+writes the paged buffers of its call sites (``forward_context``), bound for each forward.
 
 A model with recurrent layers (state-space mixers, gated delta nets, short convolutions)
 cannot mix sequences in one row: its step runs as a few forwards of ``[n, L]``, one per
 group of sequences with the same query length that all start fresh or all resume, with
 their states gathered from and stored back to the state slots (``recurrent_state``).
+
+Every change the runner makes to the model (its attention switched or ported, oneDNN
+linears, position relays) pushes its undo onto one stack, which ``restore()`` unwinds.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
 
-from kvpage.core.kv.kv_groups import KVCacheGroups
 from kvpage.core.sched.metadata import StepMetadata
-from kvpage.storage.kv_storage import LayerKVSpec, PagedKVCache
+from kvpage.storage.paged_cache import PagedKVCache
+from kvpage.storage.spec import LayerKVSpec
 
-from .attention_ports import alibi_slopes_by_layer, install_ports, mask_alibi_slopes, needs_port, port_refusal
 from .compiled_forward import CompiledForward
+from .families import needs_port, port_refusal
+from .forward_context import AttentionBackend, AttentionSite, ProbeContext, StepContext, forward_context
 from .layer_kinds import attention_modules, attention_modules_of_layer, unsupported_layer_reason
 from .onednn_linear import use_onednn_linears
 from .position_relay import relay_position_ids
 from .recurrent_state import (RecurrentStateSlots, StateEntry, chunked_prefill_is_exact, probe_state_layout,
                               state_argument)
-from .hf_attention import (ATTN_IMPLEMENTATION, AttentionBackend, PagedForwardContext, ProbeContext, paged_step,
-                           register_kvpage_attention)
-from .sparse_indexer import has_indexers, install_indexer_ports
+from .sparse_indexer import has_indexers
+from .takeover import Takeover, take_over, text_decoder_switchable
 
 
 class UnsupportedModelError(ValueError):
@@ -52,16 +56,7 @@ def check_supported(model: torch.nn.Module) -> list[StateEntry]:
     reason = unsupported_layer_reason(model, state_in_cache=True)
     if reason is not None:
         raise UnsupportedModelError(f"{name}: {reason}")
-    layout: list[StateEntry] = []
-    recurrent_reason = unsupported_layer_reason(model)
-    if recurrent_reason is not None:
-        try:
-            layout = probe_state_layout(model)
-        except Exception as exc:  # noqa: BLE001 - the reason names the layer; the probe's failure adds why
-            raise UnsupportedModelError(f"{name}: {recurrent_reason} (its cache probe failed: "
-                                        f"{type(exc).__name__}: {exc})") from exc
-        if not layout:
-            raise UnsupportedModelError(f"{name}: {recurrent_reason}")
+    layout = _recurrent_layout(model)
     if needs_port(model):
         refusal = port_refusal(model)
         if refusal is not None:
@@ -70,25 +65,35 @@ def check_supported(model: torch.nn.Module) -> list[StateEntry]:
             and not (layout and not attention_modules(model)):  # RWKV: state alone, nothing to switch
         raise UnsupportedModelError(
             f"{name}'s attention does not go through transformers' AttentionInterface, so kvpage cannot page its KV")
+    if has_indexers(model) and next(model.parameters()).device.type != "cpu":
+        raise UnsupportedModelError(f"{name}: kvpage serves DeepSeek sparse attention (DSA indexers) on CPU only; "
+                                    "its CUDA kernels attend densely")
     return layout
 
 
-def text_decoder_switchable(model: torch.nn.Module) -> bool:
-    """Whether a composite model (text beside vision or audio towers) has a text decoder
-    whose attention goes through the interface, though another tower's does not (GOT-OCR2's
-    SAM vision encoder): kvpage then switches the text config alone. Text-only requests
-    never run the other towers."""
-    if "text_config" not in (getattr(model.config, "sub_configs", None) or {}):
-        return False
+def _recurrent_layout(model: torch.nn.Module) -> list[StateEntry]:
+    """The recurrent states of a model with recurrent layers (``[]`` for one without), found
+    by a probe; refused when the model keeps them where no carrier reaches."""
+    recurrent_reason = unsupported_layer_reason(model)
+    if recurrent_reason is None:
+        return []
+    name = type(model).__name__
     try:
-        decoder = model.get_decoder()
-    except Exception:  # noqa: BLE001 - models without a findable decoder are not switched this way
-        return False
-    return decoder is not None and decoder is not model and type(decoder)._can_set_attn_implementation()
+        layout = probe_state_layout(model)
+    except Exception as exc:  # noqa: BLE001 - the reason names the layer; the probe's failure adds why
+        raise UnsupportedModelError(f"{name}: {recurrent_reason} (its cache probe failed: "
+                                    f"{type(exc).__name__}: {exc})") from exc
+    if not layout:
+        raise UnsupportedModelError(f"{name}: {recurrent_reason}")
+    return layout
 
 
 class HFModelRunner:
-    """Owns the model's switch to kvpage attention and one forward per step."""
+    """Owns the model's switch to kvpage attention and one forward per step.
+
+    ``sites`` lists the model's attention call sites (``AttentionSite``: layer, KV layout,
+    and once ``bind`` ran, buffers, KV group and ALiBi slopes) in site order, the KV cache's
+    layer order; ``layer_specs`` their layouts."""
 
     def __init__(self, model: torch.nn.Module, onednn_linears: bool = False) -> None:
         self.state_layout = check_supported(model)
@@ -98,74 +103,47 @@ class HFModelRunner:
         self.state_slots: Optional[RecurrentStateSlots] = None  # set by allocate_state_slots()
         self.model = model
         self.device = next(model.parameters()).device
-        self.original_attn_implementation = model.config._attn_implementation
-        register_kvpage_attention()
-        # A family whose attention is inline gets ports (attention_ports) instead of the
-        # switch; a composite model whose text decoder alone follows the interface gets
-        # the switch for its text config only.
-        switchable = type(model)._can_set_attn_implementation()
-        self._ported = needs_port(model)
-        self._text_only = not switchable and not self._ported and text_decoder_switchable(model)
-        self._undo_ports = install_ports(model) if self._ported else (lambda: None)
-        # DSA models: each indexer becomes one more paged site of its layer (sparse_indexer).
-        self.sparse_indexers = has_indexers(model)
-        if self.sparse_indexers and self.device.type != "cpu":
-            raise UnsupportedModelError(f"{type(model).__name__}: kvpage serves DeepSeek sparse attention (DSA "
-                                        "indexers) on CPU only; its CUDA kernels attend densely")
-        self._undo_indexers = install_indexer_ports(model) if self.sparse_indexers else (lambda: None)
-        # An interface family that folds ALiBi into its mask: kvpage adds the slopes itself,
-        # and hands the model a placeholder mask to fold them into (then ignores the result).
-        self._mask_alibi = mask_alibi_slopes(model)  # {} for a ported model
-        self._mask_placeholder = self.sparse_indexers or bool(self._mask_alibi)
-        if self._text_only:
-            self.original_attn_implementation = {"text_config": model.config.text_config._attn_implementation}
-            model.set_attn_implementation({"text_config": ATTN_IMPLEMENTATION})
-        elif not self._ported and switchable:
-            model.set_attn_implementation(ATTN_IMPLEMENTATION)
-        self._switched = not self._ported and (switchable or self._text_only)
-        self._undo_linears = use_onednn_linears(model) if onednn_linears else (lambda: None)
-        self._undo_position_relay: Callable[[], None] = lambda: None
         self.num_layers = int(model.config.get_text_config().num_hidden_layers)
         self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.kv_cache: Optional[PagedKVCache] = None
-        self.key_caches: list = []
-        self.value_caches: list = []
         self.backend: Optional[AttentionBackend] = None
         self.compiled: Optional[CompiledForward] = None  # set by compile()
-        self.reading_only: frozenset = frozenset()
-        self.site_chunks: Optional[list] = None  # each site's attention chunk, where some layer attends in chunks
-        self.site_alibi: Optional[list] = None  # each site's ALiBi slopes, for ported ALiBi families
-        self.site_layers: list = []  # the layer of each attention call site (see PagedForwardContext)
-        self.first_site: Optional[dict] = None
-        self.site_group: Optional[list] = None  # hybrid KV groups: each site's group
-        self.layer_specs, self.kv_dtype = self._probe_layers()
-
-    def _probe_layers(self) -> tuple[list[LayerKVSpec], torch.dtype]:
-        """Each attention call site's KV layout (``LayerKVSpec``, KV sharing included), from a
-        stubbed forward; refuses (restoring the model) what kvpage cannot page exactly."""
+        self.sites: list[AttentionSite] = []
+        self._calls: list[AttentionSite] = []  # the site of each attention call of a forward, in call order
+        self._undo = contextlib.ExitStack()  # the changes made to the model, undone by restore()
         try:
-            probe = self.probe_forward(3, track_sharing=True)
-            sites = probe.sites()
-            self._check_probe(probe, sites)
+            self.takeover: Takeover = take_over(model, self._undo, recurrent=bool(self.state_layout))
+            if onednn_linears:
+                self._undo.callback(use_onednn_linears(model))
+            self.kv_dtype = self._probe_sites()
         except BaseException:
             self.restore()
             raise
-        self.site_layers = [layer for layer, _ in sites]
-        dtype = probe.dtype or next(self.model.parameters()).dtype  # no attention: the weights' dtype
-        first: dict = {}
-        for site, layer in enumerate(self.site_layers):
-            first.setdefault(layer, site)
-        self.first_site = None if self.site_layers == list(range(self.num_layers)) else first
-        return [spec for _, spec in sites], dtype
 
-    def _check_probe(self, probe: ProbeContext, sites: list) -> None:
+    @property
+    def layer_specs(self) -> list[LayerKVSpec]:
+        """Each attention call site's KV layout, in site order (KV sharing included)."""
+        return [site.spec for site in self.sites]
+
+    def _probe_sites(self) -> torch.dtype:
+        """Find each attention call site (``AttentionSite``) from a stubbed forward, refusing
+        what kvpage cannot page exactly; returns the KV dtype."""
+        probe = self.probe_forward(3, track_sharing=True)
+        sites, call_order = probe.site_layout()
+        self._check_sites(sites)
+        self._check_calls(probe)
+        self.sites = sites
+        self._calls = [sites[site] for site in call_order]
+        return probe.dtype or next(self.model.parameters()).dtype  # no attention: the weights' dtype
+
+    def _check_sites(self, sites: list[AttentionSite]) -> None:
+        """Every layer calls attention at least once per forward (some more often: twice for
+        differential attention, once per recurrence cycle for HRM's reused stacks); in a
+        recurrent model a layer may call none (an MLP-only layer) unless it has an attention
+        module that did not come through the interface."""
         name = type(self.model).__name__
-        # Every layer calls attention at least once per forward; some call it more often (twice
-        # for differential attention, once per recurrence cycle for HRM's reused stacks).
-        called = sorted({layer for layer, _ in sites})
+        called = sorted({site.layer for site in sites})
         stateful = {entry.layer for entry in self.state_layout}
-        # In a recurrent model a layer may be neither (an MLP-only layer), unless it has an
-        # attention module that did not come through the interface.
         silent = sorted(set(range(self.num_layers)) - set(called) - stateful) if stateful else []
         bypassing = {layer: modules for layer in silent if (modules := attention_modules_of_layer(self.model, layer))}
         if bypassing:
@@ -177,6 +155,11 @@ class HFModelRunner:
             raise UnsupportedModelError(
                 f"{name}: {len(sites)} attention calls for {self.num_layers} layers (layers called: {called or 'none'}); "
                 "the others bypass transformers' attention interface (or have no attention)")
+
+    def _check_calls(self, probe: ProbeContext) -> None:
+        """Each call attends over the forward's tokens, with no mask of the model's making,
+        at the positions ``position_ids`` gives."""
+        name = type(self.model).__name__
         if probe.foreign_calls:
             layer, rows = probe.foreign_calls[0]
             raise UnsupportedModelError(
@@ -184,7 +167,7 @@ class HFModelRunner:
                 "tokens (across something other than the sequence); kvpage pages attention over a sequence's "
                 "tokens only")
         # (A family folding ALiBi into its mask hands attention that fold; kvpage adds the slopes.)
-        if probe.layers_with_masks and not self._mask_alibi:
+        if probe.layers_with_masks and not self.takeover.mask_alibi:
             layer = min(probe.layers_with_masks)
             raise UnsupportedModelError(
                 f"{name}: layer {layer} hands attention a mask or bias of its own making; kvpage derives causal and "
@@ -192,7 +175,7 @@ class HFModelRunner:
         # A recurrent layer ahead of the first attention makes a token's query depend on the
         # tokens before it, which the probe below cannot tell from a position shift; models
         # with recurrent layers all come from transformers' position_ids era.
-        if not stateful and not self._follows_position_ids() and not self._relay_position_ids():
+        if not self.state_layout and not self._follows_position_ids() and not self._relay_position_ids():
             raise UnsupportedModelError(
                 f"{name} ignores position_ids (it numbers tokens from its own cache length), so it cannot run "
                 "kvpage's flattened batches of sequences at different positions")
@@ -206,7 +189,7 @@ class HFModelRunner:
         if not self._follows_position_ids():
             undo()
             return False
-        self._undo_position_relay = undo
+        self._undo.callback(undo)
         return True
 
     def _follows_position_ids(self) -> bool:
@@ -226,7 +209,7 @@ class HFModelRunner:
         ``first_position``, attention stubbed out (layouts, memory, compilation), logits for
         the last ``sampled_rows``; through ``forward`` if given, else the eager model."""
         probe = ProbeContext(num_real_tokens=num_tokens, track_sharing=track_sharing, record_query=record_query,
-                             mask_placeholder=self._mask_placeholder)
+                             mask_placeholder=self.takeover.mask_placeholder)
         # Inputs made under inference mode, as execute() makes them: a compiled forward's
         # warm-up then builds the very entry the steps use (tensors made outside it carry
         # another dispatch key set, and the first real step compiled a second entry).
@@ -234,12 +217,11 @@ class HFModelRunner:
             ids = torch.full((num_tokens,), token, dtype=torch.long, device=self.device)
             positions = torch.arange(first_position, first_position + num_tokens, device=self.device)
             rows = torch.arange(num_tokens - sampled_rows, num_tokens, device=self.device)
-        with torch.inference_mode(), paged_step(probe):
+        with torch.inference_mode(), forward_context(probe):
             if forward is not None:
                 forward(ids, positions, rows)
             else:
                 self.model(input_ids=ids.unsqueeze(0), position_ids=positions.unsqueeze(0), use_cache=False,
-                           kvpage_context=probe,
                            **({"logits_to_keep": sampled_rows} if self._takes_logits_to_keep else {}))
         return probe
 
@@ -257,40 +239,30 @@ class HFModelRunner:
 
     def bind(self, kv_cache: PagedKVCache, backend: AttentionBackend) -> None:
         """Attach the paged KV buffers (a ``PagedKVCache``, with its KV groups) and the
-        attention backend."""
-        if kv_cache.spec.num_layers != len(self.layer_specs):
-            raise ValueError(f"expected a KV cache of {len(self.layer_specs)} attention sites, got "
+        attention backend: each site gets its buffers, KV group and ALiBi slopes."""
+        if kv_cache.spec.num_layers != len(self.sites):
+            raise ValueError(f"expected a KV cache of {len(self.sites)} attention sites, got "
                              f"{kv_cache.spec.num_layers}")
+        slopes = self.takeover.alibi_slopes(self.model)
+        groups = kv_cache.groups
+        for index, site in enumerate(self.sites):
+            site.key_cache = kv_cache.torch_key_cache(index)
+            site.value_cache = kv_cache.torch_value_cache(index)
+            site.group = 0 if groups is None else groups.position_of_layer(index)[0]
+            site.alibi_slopes = slopes.get(site.layer)
         self.kv_cache = kv_cache
-        self.key_caches = [kv_cache.torch_key_cache(i) for i in range(kv_cache.spec.num_layers)]
-        self.value_caches = [kv_cache.torch_value_cache(i) for i in range(kv_cache.spec.num_layers)]
-        self.reading_only = frozenset(i for i, layer in enumerate(kv_cache.spec.layers) if layer.reuses is not None)
-        chunks = [layer.attention_chunk for layer in kv_cache.spec.layers]
-        self.site_chunks = chunks if any(chunks) else None
-        slopes = alibi_slopes_by_layer(self.model) if self._ported else self._mask_alibi
-        self.site_alibi = [slopes.get(layer) for layer in self.site_layers] if slopes else None
-        groups: Optional[KVCacheGroups] = kv_cache.groups
-        self.site_group = None if groups is None else \
-            [groups.position_of_layer(site)[0] for site in range(kv_cache.spec.num_layers)]
         self.backend = backend
 
     @property
     def uses_alibi(self) -> bool:
         """Whether some attention site adds ALiBi position biases (an ALiBi family, ported or
         folding them into its mask)."""
-        return bool(self._mask_alibi) or (self._ported and bool(alibi_slopes_by_layer(self.model)))
+        return bool(self.takeover.alibi_slopes(self.model))
 
     @property
     def eager_reason(self) -> Optional[str]:
         """Why this model's steps run eager whatever the settings, or None when they compile."""
-        if self.state_layout:
-            return "a model with recurrent layers runs eager (several forwards per step, a cache object per forward)"
-        if self.sparse_indexers:
-            return "a model with DeepSeek sparse attention runs eager (its indexers run per sequence)"
-        if self._mask_alibi:
-            return ("a model that folds ALiBi into its attention mask runs eager (the compiled graph builds no "
-                    "mask to fold it into)")
-        return None
+        return self.takeover.eager_reason
 
     def allocate_state_slots(self, num_slots: int) -> int:
         """Allocate ``num_slots`` slots of every recurrent state (nothing for an
@@ -310,28 +282,25 @@ class HFModelRunner:
         input_ids = torch.as_tensor(metadata.input_ids, device=device)
         positions = torch.as_tensor(metadata.positions, device=device)
         rows = torch.as_tensor(metadata.logits_indices, dtype=torch.long, device=device)
-        context = self._context(metadata)
-        with paged_step(context):
+        with forward_context(self._step_context(metadata)) as context:
             if self.compiled is not None:
                 logits = self.compiled(input_ids, positions, rows)
             else:
-                logits = self._eager_forward(input_ids, positions, rows, context)
-        if context.layers_called != len(self.layer_specs):
-            raise RuntimeError(f"{len(self.layer_specs) - context.layers_called} attention calls bypassed kvpage "
-                               "attention")
+                logits = self._eager_forward(input_ids, positions, rows)
+        self._check_every_call_made(context)
         return logits.float()
 
-    def _context(self, metadata: StepMetadata) -> PagedForwardContext:
-        prepared = self.backend.prepare(metadata)
-        site_prepared = None
-        if self.site_group is not None:
-            by_group = [prepared] + [self.backend.prepare(metadata.for_group(g)) for g in range(1, metadata.num_groups)]
-            site_prepared = [by_group[g] for g in self.site_group]
-        return PagedForwardContext(self.key_caches, self.value_caches, self.backend, prepared,
-                                   num_real_tokens=metadata.num_tokens, reading_only=self.reading_only,
-                                   first_site=self.first_site, site_prepared=site_prepared,
-                                   site_chunks=self.site_chunks, site_alibi=self.site_alibi, metadata=metadata,
-                                   mask_placeholder=self._mask_placeholder)
+    def _step_context(self, metadata: StepMetadata) -> StepContext:
+        """The forward's context: the backend's view of the step for each KV group."""
+        prepared = [self.backend.prepare(metadata)]
+        prepared += [self.backend.prepare(metadata.for_group(g)) for g in range(1, metadata.num_groups)]
+        return StepContext(self._calls, self.backend, prepared, metadata, metadata.num_tokens,
+                           self.takeover.mask_placeholder)
+
+    def _check_every_call_made(self, context: StepContext) -> None:
+        if context.layers_called != len(self._calls):
+            raise RuntimeError(f"{len(self._calls) - context.layers_called} attention calls bypassed kvpage "
+                               "attention")
 
     def _execute_stateful(self, metadata: StepMetadata) -> torch.Tensor:
         """The step as one forward ``[n, L]`` per group of sequences sharing a query length
@@ -367,40 +336,27 @@ class HFModelRunner:
         positions = torch.as_tensor(part.positions, device=device).view(num_seqs, -1)
         slot_ids = torch.as_tensor(part.state_slots, device=device)
         cache = self.state_slots.cache_for(slot_ids, resume)
-        context = self._context(part)
         length = ids.shape[1]
         seq_of_row, offset_of_row = np.divmod(logit_rows, length)
         offsets = np.unique(offset_of_row)  # the in-sequence offsets any sequence needs logits at
         kwargs = {}
         if self._takes_logits_to_keep:
             kwargs["logits_to_keep"] = torch.as_tensor(offsets, device=device)
-        with paged_step(context):
-            out = self.model(input_ids=ids, position_ids=positions, use_cache=True, kvpage_context=context,
-                             **{self.state_argument: cache}, **kwargs)
-        if context.layers_called != len(self.layer_specs):
-            raise RuntimeError(f"{len(self.layer_specs) - context.layers_called} attention calls bypassed kvpage "
-                               "attention")
+        with forward_context(self._step_context(part)) as context:
+            out = self.model(input_ids=ids, position_ids=positions, use_cache=True, **{self.state_argument: cache},
+                             **kwargs)
+        self._check_every_call_made(context)
         self.state_slots.store(cache, slot_ids)
         logits = out.logits
         columns = np.searchsorted(offsets, offset_of_row) if self._takes_logits_to_keep else offset_of_row
         return logits[torch.as_tensor(seq_of_row, device=logits.device), torch.as_tensor(columns, device=logits.device)]
 
-    def _eager_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
-                       context: PagedForwardContext) -> torch.Tensor:
-        kwargs = dict(input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0), use_cache=False,
-                      kvpage_context=context)
+    def _eager_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        kwargs = dict(input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0), use_cache=False)
         if self._takes_logits_to_keep:
             return self.model(logits_to_keep=rows, **kwargs).logits[0]
         return self.model(**kwargs).logits[0][rows]
 
     def restore(self) -> None:
-        """Switch the model back to the attention implementation and linears it had before."""
-        self._undo_ports()
-        self._undo_ports = lambda: None
-        self._undo_indexers()
-        self._undo_indexers = lambda: None
-        if self._switched:
-            self.model.set_attn_implementation(self.original_attn_implementation)
-        self._undo_linears()
-        self._undo_position_relay()
-        self._undo_position_relay = lambda: None
+        """Give the model back as it was: its attention implementation, modules and linears."""
+        self._undo.close()

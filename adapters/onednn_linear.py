@@ -2,8 +2,7 @@
 
 torch's CPU ``F.linear`` runs float32 through MKL's sgemm, which on AMD CPUs takes a
 slower code path; oneDNN's matmul over a weight reordered once into its own blocked
-layout is 1.3-1.6x faster in float32 and up to 1.2x in bfloat16 on this project's
-machines (``benchmarks/bench_vs_vllm.py`` reports the effect end to end).
+layout is faster in float32 and bfloat16 (docs/performance.md).
 
 ``use_onednn_linears(model)`` swaps each ``nn.Linear`` *instance* for a ``OneDnnLinear``
 that keeps the original ``weight``/``bias`` parameters (so state dicts, tied weights and
@@ -12,8 +11,8 @@ is modified. It returns a function that puts the original modules back. The reor
 copy doubles the memory of the linear weights; it is skipped where oneDNN is missing.
 oneDNN also keeps an LRU cache of one compiled matmul per input shape (1024 entries, env
 ``LRU_CACHE_CAPACITY`` / ``ONEDNN_PRIMITIVE_CACHE_CAPACITY`` read when torch loads), so a
-server's resident memory rises until that cache is full, then stays flat. A cache of 16
-entries keeps memory flat from the start but cost 20 % of bf16 throughput here.
+server's resident memory rises until that cache is full, then stays flat (a much smaller
+cache keeps memory flat from the start, at a cost in throughput).
 
 Under ``torch.compile`` the call is the custom op ``kvpage::onednn_linear`` (the reordered
 weight is an opaque oneDNN tensor that dynamo cannot trace): the op takes the plain weight

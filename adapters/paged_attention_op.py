@@ -4,8 +4,8 @@
 so under compilation every attention layer calls this op instead: the rest of the model
 compiles into one graph, with the op as its only opaque node per layer. Its inputs are the
 layer's q/k/v ``[T, heads, D]`` and scalars; everything per step (KV buffers, slot mapping,
-block tables, the backend) comes from the step context that the runner binds for the
-forward (``hf_attention.paged_step``), read when the op runs, never while tracing.
+block tables, the backend) comes from the forward's context that the runner binds
+(``forward_context``), read when the op runs, never while tracing.
 
 Token rows past the context's ``num_real_tokens`` are bucket padding: they are neither
 written nor attended, and their output is zero.
@@ -16,14 +16,14 @@ from typing import Optional
 
 import torch
 
-from .hf_attention import current_step
+from .forward_context import require_forward_context
 
 
 @torch.library.custom_op("kvpage::paged_attention", mutates_args=())
 def paged_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scaling: float,
                        sliding_window: int, softcap: float, sinks: Optional[torch.Tensor]) -> torch.Tensor:
     """``[T, H, D_v]`` attention output of layer ``layer`` (``sliding_window``/``softcap`` 0 = none)."""
-    context = current_step()
+    context = require_forward_context()
     n = context.num_real_tokens if context.num_real_tokens is not None else q.shape[0]
     out = context.attend(layer, q[:n], k[:n], v[:n], scaling, sliding_window or None, softcap or None, sinks)
     if n == q.shape[0]:

@@ -28,7 +28,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .state_carriers import StateEntry, carrier_of
+from .families import carrier_of
+from .state_carriers import StateEntry
 
 __all__ = ["RecurrentStateSlots", "StateEntry", "chunked_prefill_is_exact", "probe_state_layout", "state_argument"]
 

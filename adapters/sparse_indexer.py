@@ -35,7 +35,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from kvpage.storage.kv_storage import LayerKVSpec
+from kvpage.storage.spec import LayerKVSpec
+
+from .forward_context import ProbeContext, require_forward_context
 
 #: A layer's indexer: a child named ``indexer`` of its attention module.
 _INDEXER_NAME = "indexer"
@@ -115,13 +117,14 @@ class IndexerPort(nn.Module):
         self.index_topk = int(inner.index_topk)
 
     def forward(self, hidden_states: torch.Tensor, q_resid: torch.Tensor, position_embeddings, *args, **kwargs):
-        from .hf_attention import ProbeContext, current_step
-
-        context = current_step()
+        context = require_forward_context()
         if isinstance(context, ProbeContext):
             return self._probe(context, hidden_states, q_resid, position_embeddings)
-        key_cache, metadata = context.indexer_site(self.layer_idx)
-        return self._select(key_cache, metadata, hidden_states, q_resid, position_embeddings)
+        # Its site's key buffer (one head; the value buffer is empty); the port writes its own keys.
+        site = context.next_site(self.layer_idx)
+        if len(context.prepared) > 1:
+            raise RuntimeError("a DSA indexer needs the step's metadata and one KV group")
+        return self._select(site.key_cache, context.metadata, hidden_states, q_resid, position_embeddings)
 
     def _run(self, hidden_states, q_resid, position_embeddings, rows: slice, mask: torch.Tensor, cache) -> torch.Tensor:
         cos, sin = position_embeddings

@@ -15,6 +15,7 @@ and recurrent states); three keep it elsewhere:
   cache; the carrier sets them before the forward and reads them after (one forward runs
   at a time, and the runner owns the model meanwhile).
 
+Which family keeps its state where is the family registry's (``families.carrier_of``).
 A carrier knows the forward keyword it goes under (``argument``), how to make a fresh one
 for a batch (what the model's own first forward would start from), and how to put one
 state's rows in (``load``) and read them out (``read``); ``probe`` lists the states, found
@@ -235,16 +236,6 @@ class RecurrentGemmaCarrier(StateCarrier):
     def read(self, carrier: Any, entry: StateEntry) -> Optional[torch.Tensor]:
         block = self.blocks[entry.layer]
         return block.conv1d_state if entry.index == 0 else block.rg_lru.recurrent_states
-
-
-#: model_type -> the carrier of a family that keeps its state outside transformers' cache layers.
-_FAMILY_CARRIERS = {"minimax": MiniMaxCarrier, "rwkv": RwkvCarrier, "recurrent_gemma": RecurrentGemmaCarrier}
-
-
-def carrier_of(model: torch.nn.Module) -> StateCarrier:
-    """The carrier for ``model``'s recurrent state."""
-    family = _FAMILY_CARRIERS.get(getattr(model.config, "model_type", None))
-    return family(model) if family is not None else CacheCarrier(model)
 
 
 def _modeling_module(model: torch.nn.Module):

@@ -18,7 +18,8 @@ F = torch.nn.functional
 
 from conftest import bench_threads  # noqa: E402
 from kvpage.attention import paged_attention_reference  # noqa: E402
-from kvpage.attention.cpu import paged_attention_cpu, prepare_cpu_attention_metadata  # noqa: E402
+from kvpage.attention.cpu import AttentionLayout, CPUKernelChoice, CPUKernels  # noqa: E402
+from kvpage.attention.cpu_metadata import LayerCall, prepare_cpu_attention_metadata  # noqa: E402
 
 SCALE = 0.125
 HEAD_DIM = 64
@@ -81,8 +82,9 @@ def paged_fn(impl, q, kc, vc, md):
     if impl == "reference":
         args = [t.numpy() for t in (q, kc, vc)] + [md.query_start_loc, md.seq_lens, md.block_tables]
         return lambda: paged_attention_reference(*args, SCALE)
-    return lambda: paged_attention_cpu(q, kc, vc, scaling=SCALE, metadata=md, decode_backend=impl,
-                                       prefill_backend=impl)
+    kernels = CPUKernels(AttentionLayout.of(q, kc, vc), CPUKernelChoice(impl, impl))  # bound once, as a model's
+    call = LayerCall(SCALE)
+    return lambda: kernels.attend(q, kc, vc, md, call)
 
 
 def record(benchmark, kv_bytes, **info):
@@ -171,14 +173,14 @@ def test_bench_decode_from_a_large_pool(benchmark, dtype):
     metas = [prepare_cpu_attention_metadata(qsl, lens, perm[i].numpy(), num_decodes=batch) for i in range(layers)]
     q = torch.randn(batch, 9, HEAD_DIM, generator=g).to(dtype)
     calls = iter(range(1 << 62))
+    kernels = CPUKernels(AttentionLayout.of(q, kc, vc))
+    call = LayerCall(SCALE)
 
     def one_layer():
-        return paged_attention_cpu(q, kc, vc, metadata=metas[next(calls) % layers], scaling=SCALE)
-
-    from kvpage.attention.cpu import DECODE_BACKEND
+        return kernels.attend(q, kc, vc, metas[next(calls) % layers], call)
 
     benchmark(one_layer)
-    record(benchmark, batch * ctx * 3 * HEAD_DIM * 2 * kc.element_size(), impl=DECODE_BACKEND, phase="decode",
+    record(benchmark, batch * ctx * 3 * HEAD_DIM * 2 * kc.element_size(), impl=kernels.decode_backend, phase="decode",
            dtype=str(dtype).removeprefix("torch."))
 
 

@@ -42,7 +42,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               enforce_eager=args.eager)
     llm.generate(work["prompts"][:4], [SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)] * 4,
                  use_tqdm=False)
-    runner = llm.engine.runner
+    runner = llm.runner
     execute = runner.execute
     profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True)
     seconds: list[float] = []

@@ -28,6 +28,8 @@ from functools import lru_cache
 # imported only by the launch wrappers, never by ``kvpage.cuda`` itself.
 from numba import cuda, float32, int32, int64
 
+from .row_output import write_row_element
+
 # Kernel arguments that are flags use these conventions (runtime values, uniform per launch):
 #   window == 0: no sliding window; softcap == 0.0: no softcap; has_sinks == 0: no sinks.
 #   write_partials == 0: normalise and write ``out``; 1: write ``part_*`` for the merge.
@@ -67,16 +69,18 @@ def attention_kernel(rows: int, head_dim: int, group: int, tile: int, threads: i
     def kernel(q, key_cache, value_cache, query_start_loc, seq_lens, block_tables,
                seq_offset, row_tiles, scaling, window, softcap, sinks, has_sinks,
                partition, write_partials, out, part_max, part_sum, part_acc):
+        # Per row: its scaled query, its scores of the tile, its running max and sum and this
+        # tile's rescale factor.
         q_s = cuda.shared.array((R, D), float32)
-        k_s = cuda.shared.array((TILE, KSTRIDE), float32)
-        v_s = cuda.shared.array((TILE, D), float32)
         p_s = cuda.shared.array((R, TILE), float32)
         m_s = cuda.shared.array(R, float32)
         l_s = cuda.shared.array(R, float32)
         a_s = cuda.shared.array(R, float32)
-        acc = cuda.local.array(PAIRS, float32)
-        tb_s = cuda.shared.array(TILE, int32)  # cache block of each key of the tile
-        to_s = cuda.shared.array(TILE, int32)  # and its offset in that block
+        # Per key of the tile: K (rows padded), V, its cache block and its offset in that block.
+        k_s = cuda.shared.array((TILE, KSTRIDE), float32)
+        v_s = cuda.shared.array((TILE, D), float32)
+        tb_s = cuda.shared.array(TILE, int32)
+        to_s = cuda.shared.array(TILE, int32)
 
         tid = cuda.threadIdx.x
         cap = float32(softcap)  # fp32 once: keeps fp64 out of the inner loops
@@ -123,6 +127,7 @@ def attention_kernel(rows: int, head_dim: int, group: int, tile: int, threads: i
             m_s[e] = NEG_INF
             l_s[e] = float32(0.0)
             e += NT
+        acc = cuda.local.array(PAIRS, float32)  # this thread's accumulator elements
         for k in range(PAIRS):
             acc[k] = float32(0.0)
         cuda.syncthreads()
@@ -154,8 +159,7 @@ def attention_kernel(rows: int, head_dim: int, group: int, tile: int, threads: i
             cuda.syncthreads()
 
             # 2) Scores for every (row, key) pair, masked to -inf outside causal/window.
-            e = tid
-            while e < R * TILE:
+            for e in range(tid, R * TILE, NT):
                 r = e // TILE
                 t = e % TILE
                 j = t0 + t
@@ -173,7 +177,6 @@ def attention_kernel(rows: int, head_dim: int, group: int, tile: int, threads: i
                             dot = cap * math.tanh(dot / cap)
                         s = dot
                 p_s[r, t] = s
-                e += NT
             cuda.syncthreads()
 
             # 3) Per-row online-softmax update; scores become probabilities in place.
@@ -221,27 +224,8 @@ def attention_kernel(rows: int, head_dim: int, group: int, tile: int, threads: i
                 d = e % D
                 if r < n_rows:
                     rr = row0 + r
-                    tok = q_start + rr // G
-                    head = kv_head * G + rr % G
-                    m = m_s[r]
-                    l = l_s[r]
-                    if write_partials != 0:
-                        part_acc[tok, head, split, d] = acc[k]
-                        if d == 0:
-                            part_max[tok, head, split] = m
-                            part_sum[tok, head, split] = l
-                    else:
-                        scale = float32(1.0)
-                        denom = l
-                        if has_sinks != 0:
-                            sink = float32(sinks[head])
-                            mm = max(m, sink)
-                            scale = math.exp(m - mm) if m != NEG_INF else float32(0.0)
-                            denom = l * scale + math.exp(sink - mm)
-                        res = float32(0.0)
-                        if denom > 0:
-                            res = acc[k] * scale / denom
-                        out[tok, head, d] = res
+                    write_row_element(q_start + rr // G, kv_head * G + rr % G, split, d, m_s[r], l_s[r], acc[k],
+                                      write_partials, sinks, has_sinks, out, part_max, part_sum, part_acc)
 
     return kernel
 

@@ -33,6 +33,7 @@ from functools import lru_cache
 from numba import cuda, float32, int32, int64
 
 from .launch_config import score_chunks
+from .row_output import write_row_element
 
 NEG_INF = -math.inf
 #: Loads each thread issues before using any of them (K in pass 1, V in pass 3): loads in
@@ -250,26 +251,7 @@ def decode_kernel(head_dim: int, group: int, key_tile: int, max_partition: int, 
             owner = tid < D if WIDE else d < D
             if owner:
                 for rr in range(G):
-                    head = kv_head * G + rr
-                    m = m_s[rr]
-                    l = l_s[rr]
-                    a = acc[k * G + rr]
-                    if write_partials != 0:
-                        part_acc[tok, head, split, d] = a
-                        if d == 0:
-                            part_max[tok, head, split] = m
-                            part_sum[tok, head, split] = l
-                    else:
-                        scale = float32(1.0)
-                        denom = l
-                        if has_sinks != 0:
-                            sink = float32(sinks[head])
-                            mm = max(m, sink)
-                            scale = math.exp(m - mm) if m != NEG_INF else float32(0.0)
-                            denom = l * scale + math.exp(sink - mm)
-                        res = float32(0.0)
-                        if denom > 0:
-                            res = a * scale / denom
-                        out[tok, head, d] = res
+                    write_row_element(tok, kv_head * G + rr, split, d, m_s[rr], l_s[rr], acc[k * G + rr],
+                                      write_partials, sinks, has_sinks, out, part_max, part_sum, part_acc)
 
     return kernel

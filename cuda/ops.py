@@ -11,12 +11,14 @@ and CuPy have no such dtype for ``__cuda_array_interface__``); accumulation is f
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any, Optional
 
 import numpy as np
 
-from . import interop
+from .interop import (CUPY, TORCH, array_kind, as_kernel_arg, empty_like_kind, numpy_dtype, resolve_stream,
+                      simulator_enabled)
 from .launch_config import choose_decode_tiles, choose_splits, choose_tile, prefill_rows
 
 _FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32))
@@ -28,21 +30,21 @@ _SIM_THREADS = 16
 def _num_sms() -> int:
     from numba import cuda
 
-    if interop.simulator_enabled():
+    if simulator_enabled():
         return 1
     return int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
 
 
 def _prepare() -> None:
     """Once per process before the first launch: a usable compiler setup (real GPU only)."""
-    if not interop.simulator_enabled():
+    if not simulator_enabled():
         from .toolchain import ensure_toolchain
 
         ensure_toolchain()
 
 
 def _check_float(name: str, x: Any) -> None:
-    dt = interop.numpy_dtype(x)
+    dt = numpy_dtype(x)
     if dt not in _FLOAT_DTYPES:
         raise ValueError(f"{name} must be float16 or float32, got {dt}")
 
@@ -51,10 +53,10 @@ def _host_int(x: Any, name: str) -> np.ndarray:
     """A host copy of a small metadata array (a device copy synchronises: pass numpy to avoid it)."""
     if isinstance(x, np.ndarray):
         return np.asarray(x, dtype=np.int64)
-    kind = interop.array_kind(x)
-    if kind == interop.TORCH:
+    kind = array_kind(x)
+    if kind == TORCH:
         return x.detach().cpu().numpy().astype(np.int64)
-    if kind == interop.CUPY:
+    if kind == CUPY:
         return x.get().astype(np.int64)
     return x.copy_to_host().astype(np.int64)
 
@@ -63,14 +65,14 @@ def _meta_arg(x: Any, dtype: Any, stream: Any) -> Any:
     """Kernel argument for a metadata array; host arrays are normalised to ``dtype`` first."""
     if isinstance(x, np.ndarray):
         x = np.ascontiguousarray(x, dtype=dtype)
-    return interop.as_kernel_arg(x, stream)
+    return as_kernel_arg(x, stream)
 
 
 def _float_arg(x: Any, stream: Any) -> Any:
     """Kernel argument for a small float array (host arrays become contiguous float32)."""
     if isinstance(x, np.ndarray):
         x = np.ascontiguousarray(x, dtype=np.float32)
-    return interop.as_kernel_arg(x, stream)
+    return as_kernel_arg(x, stream)
 
 
 def _result(out: Any, like: Any) -> Any:
@@ -100,7 +102,7 @@ def store_kv(key_cache: Any, value_cache: Any, k: Any, v: Any, slot_mapping: Any
         if slot_mapping.size and int(np.max(slot_mapping)) >= capacity:
             raise ValueError(f"slot_mapping has a slot >= num_blocks * block_size ({capacity})")
     for name, arr in (("key_cache", key_cache), ("value_cache", value_cache)):
-        if isinstance(arr, np.ndarray) and not interop.simulator_enabled():
+        if isinstance(arr, np.ndarray) and not simulator_enabled():
             raise ValueError(f"{name} must be a device array: store_kv writes it in place")
     total = int(np.prod(k.shape))
     if total == 0:
@@ -108,9 +110,9 @@ def store_kv(key_cache: Any, value_cache: Any, k: Any, v: Any, slot_mapping: Any
     from .store_kernels import store_kernel  # numba.cuda loads here, after validation
 
     _prepare()
-    threads = threads_per_block or (_SIM_THREADS if interop.simulator_enabled() else 256)
-    launch_stream = interop.resolve_stream(stream, (key_cache, k))
-    args = [interop.as_kernel_arg(a, launch_stream) for a in (key_cache, value_cache, k, v)]
+    threads = threads_per_block or (_SIM_THREADS if simulator_enabled() else 256)
+    launch_stream = resolve_stream(stream, (key_cache, k))
+    args = [as_kernel_arg(a, launch_stream) for a in (key_cache, value_cache, k, v)]
     slots = _meta_arg(slot_mapping, np.int64, launch_stream)
     blocks = min(-(-total // threads), 1 << 20)
     store_kernel()[blocks, threads, launch_stream](*args, slots)
@@ -139,51 +141,94 @@ def paged_attention(
         threads_per_block, kv_tile: tuning knobs (defaults: 128 threads, the largest tile
             fitting 46 KiB of shared memory; tiny values keep the simulator fast).
     """
-    num_tokens, num_heads, head_dim, num_kv_heads = _check_attention_shapes(
-        q, key_cache, value_cache, query_start_loc, seq_lens, block_tables, sinks)
+    shapes = _check_attention_shapes(q, key_cache, value_cache, query_start_loc, seq_lens, block_tables, sinks)
     window = int(sliding_window or 0)
     if window < 0:
         raise ValueError(f"sliding_window must be positive, got {sliding_window}")
     num_seqs = int(seq_lens.shape[0])
-    if num_decodes is None or max_prefill_query_len is None or max_seq_len is None:
-        num_decodes, max_decode_ctx, max_prefill_query_len, max_seq_len = _sizes_from_host(
-            query_start_loc, seq_lens, num_tokens, num_decodes)
-    else:
-        max_decode_ctx = max_seq_len
-    if window:
-        max_decode_ctx = min(max_decode_ctx, window)
-
-    from .attention_kernels import attention_kernel, merge_kernel  # numba.cuda loads here, not before
-    from .decode_kernels import decode_kernel
-
+    sizes = _batch_sizes(query_start_loc, seq_lens, shapes.num_tokens, window, num_decodes, max_prefill_query_len,
+                         max_seq_len)
     _prepare()
-    launch_stream = interop.resolve_stream(stream, (q, key_cache))
-    out = interop.empty_like_kind(q, (num_tokens, num_heads, head_dim), interop.numpy_dtype(q), launch_stream)
-    if num_tokens == 0 or num_seqs == 0:
+    launch_stream = resolve_stream(stream, (q, key_cache))
+    out = empty_like_kind(q, (shapes.num_tokens, shapes.num_heads, shapes.head_dim), numpy_dtype(q),
+                                  launch_stream)
+    if shapes.num_tokens == 0 or num_seqs == 0:
         return _result(out, q)
     launch = _Launch.build(q, key_cache, value_cache, query_start_loc, seq_lens, block_tables, out, sinks,
                            float(scaling), window, float(softcap or 0.0), launch_stream,
-                           threads_per_block or (_SIM_THREADS if interop.simulator_enabled() else _DEFAULT_THREADS))
-    group = num_heads // num_kv_heads
-    if num_decodes:
-        tile, max_partition = choose_decode_tiles(group, head_dim, launch.threads, kv_tile)
-        splits, partition = choose_splits(num_decodes * num_kv_heads, max_decode_ctx, tile, _num_sms(), num_splits,
-                                          max_partition)
-        launch.decode(decode_kernel(head_dim, group, tile, max_partition, launch.threads), merge_kernel,
-                      num_decodes, num_kv_heads, num_heads, head_dim, splits, partition)
-    if num_seqs > num_decodes and max_prefill_query_len:
-        rows = prefill_rows(group, 4 if interop.simulator_enabled() else 16)
-        tile = kv_tile or choose_tile(rows, head_dim)
-        row_tiles = -(-(max_prefill_query_len * group) // rows)
-        launch.prefill(attention_kernel(rows, head_dim, group, tile, launch.threads),
-                       (num_seqs - num_decodes) * row_tiles, num_kv_heads, num_decodes, row_tiles,
-                       max(1, max_seq_len))
+                           threads_per_block or (_SIM_THREADS if simulator_enabled() else _DEFAULT_THREADS))
+    if sizes.num_decodes:
+        _launch_decode(launch, shapes, sizes, num_splits, kv_tile)
+    if num_seqs > sizes.num_decodes and sizes.max_prefill_query_len:
+        _launch_prefill(launch, shapes, sizes, num_seqs, kv_tile)
     return _result(out, q)
 
 
-def _check_attention_shapes(q, key_cache, value_cache, query_start_loc, seq_lens, block_tables,
-                            sinks) -> tuple[int, int, int, int]:
-    """Validate shapes and dtypes; return (num_tokens, num_heads, head_dim, num_kv_heads)."""
+@dataclass(frozen=True, slots=True)
+class _Shapes:
+    """One call's sizes: q ``[num_tokens, num_heads, head_dim]``, caches of ``num_kv_heads`` heads."""
+
+    num_tokens: int
+    num_heads: int
+    head_dim: int
+    num_kv_heads: int
+
+    @property
+    def group(self) -> int:
+        """Query heads per KV head."""
+        return self.num_heads // self.num_kv_heads
+
+
+@dataclass(frozen=True, slots=True)
+class _BatchSizes:
+    """What the launches are sized by."""
+
+    num_decodes: int  # leading sequences with one query token (the decode path)
+    max_decode_ctx: int  # tokens: the longest context a decode attends (sliding window included)
+    max_prefill_query_len: int  # tokens: the longest query after the decodes
+    max_seq_len: int  # tokens: the longest context
+
+
+def _batch_sizes(query_start_loc, seq_lens, num_tokens: int, window: int, num_decodes: Optional[int],
+                 max_prefill_query_len: Optional[int], max_seq_len: Optional[int]) -> _BatchSizes:
+    """The caller's sizes when it gave all three, else read from the (host) metadata."""
+    if num_decodes is None or max_prefill_query_len is None or max_seq_len is None:
+        sizes = _sizes_from_host(query_start_loc, seq_lens, num_tokens, num_decodes)
+    else:
+        sizes = _BatchSizes(num_decodes, max_seq_len, max_prefill_query_len, max_seq_len)
+    if window:
+        sizes = replace(sizes, max_decode_ctx=min(sizes.max_decode_ctx, window))
+    return sizes
+
+
+def _launch_decode(launch: "_Launch", shapes: _Shapes, sizes: _BatchSizes, num_splits: Optional[int],
+                   kv_tile: Optional[int]) -> None:
+    """The split-K decode of the first ``sizes.num_decodes`` sequences."""
+    from .attention_kernels import merge_kernel  # numba.cuda loads here, not before
+    from .decode_kernels import decode_kernel
+
+    tile, max_partition = choose_decode_tiles(shapes.group, shapes.head_dim, launch.threads, kv_tile)
+    splits, partition = choose_splits(sizes.num_decodes * shapes.num_kv_heads, sizes.max_decode_ctx, tile, _num_sms(),
+                                      num_splits, max_partition)
+    launch.decode(decode_kernel(shapes.head_dim, shapes.group, tile, max_partition, launch.threads), merge_kernel,
+                  sizes.num_decodes, shapes.num_kv_heads, shapes.num_heads, shapes.head_dim, splits, partition)
+
+
+def _launch_prefill(launch: "_Launch", shapes: _Shapes, sizes: _BatchSizes, num_seqs: int,
+                    kv_tile: Optional[int]) -> None:
+    """The tiled attention of the sequences after the decodes (prefills and chunks)."""
+    from .attention_kernels import attention_kernel  # numba.cuda loads here, not before
+
+    rows = prefill_rows(shapes.group, 4 if simulator_enabled() else 16)
+    tile = kv_tile or choose_tile(rows, shapes.head_dim)
+    row_tiles = -(-(sizes.max_prefill_query_len * shapes.group) // rows)
+    launch.prefill(attention_kernel(rows, shapes.head_dim, shapes.group, tile, launch.threads),
+                   (num_seqs - sizes.num_decodes) * row_tiles, shapes.num_kv_heads, sizes.num_decodes, row_tiles,
+                   max(1, sizes.max_seq_len))
+
+
+def _check_attention_shapes(q, key_cache, value_cache, query_start_loc, seq_lens, block_tables, sinks) -> _Shapes:
+    """Validate shapes and dtypes; return the call's sizes."""
     if len(q.shape) != 3 or len(key_cache.shape) != 4 or tuple(key_cache.shape) != tuple(value_cache.shape):
         raise ValueError(f"expected q [T, H, D] and two equal caches [N, B, H_kv, D], got {tuple(q.shape)}, "
                          f"{tuple(key_cache.shape)}, {tuple(value_cache.shape)}")
@@ -202,12 +247,11 @@ def _check_attention_shapes(q, key_cache, value_cache, query_start_loc, seq_lens
         raise ValueError(f"block_tables must be [{num_seqs}, max_blocks], got {tuple(block_tables.shape)}")
     if sinks is not None and tuple(sinks.shape) != (num_heads,):
         raise ValueError(f"sinks must be [{num_heads}], got {tuple(sinks.shape)}")
-    return num_tokens, num_heads, head_dim, num_kv_heads
+    return _Shapes(num_tokens, num_heads, head_dim, num_kv_heads)
 
 
-def _sizes_from_host(query_start_loc, seq_lens, num_tokens: int,
-                     num_decodes: Optional[int]) -> tuple[int, int, int, int]:
-    """(num_decodes, longest decode context, longest prefill query, longest context), read on the host."""
+def _sizes_from_host(query_start_loc, seq_lens, num_tokens: int, num_decodes: Optional[int]) -> _BatchSizes:
+    """The batch's sizes, read on the host (``num_decodes`` None: the leading one-token queries)."""
     qsl = _host_int(query_start_loc, "query_start_loc")
     lens = _host_int(seq_lens, "seq_lens")
     num_seqs = int(lens.shape[0])
@@ -223,7 +267,7 @@ def _sizes_from_host(query_start_loc, seq_lens, num_tokens: int,
     max_decode_ctx = int(lens[:num_decodes].max()) if num_decodes else 0
     max_prefill_query_len = int(q_lens[num_decodes:].max()) if num_seqs > num_decodes else 0
     max_seq_len = int(lens.max()) if num_seqs else 0
-    return num_decodes, max_decode_ctx, max_prefill_query_len, max_seq_len
+    return _BatchSizes(num_decodes, max_decode_ctx, max_prefill_query_len, max_seq_len)
 
 
 class _Launch:
@@ -238,18 +282,18 @@ class _Launch:
     @classmethod
     def build(cls, q, key_cache, value_cache, query_start_loc, seq_lens, block_tables, out, sinks, scaling: float,
               window: int, cap: float, stream: Any, threads: int) -> "_Launch":
-        q_arg, k_arg, v_arg = (interop.as_kernel_arg(a, stream) for a in (q, key_cache, value_cache))
+        q_arg, k_arg, v_arg = (as_kernel_arg(a, stream) for a in (q, key_cache, value_cache))
         meta = tuple(_meta_arg(a, np.int32, stream) for a in (query_start_loc, seq_lens, block_tables))
 
         def scratch(shape: tuple) -> Any:
-            return interop.as_kernel_arg(interop.empty_like_kind(q, shape, np.float32, stream), stream)
+            return as_kernel_arg(empty_like_kind(q, shape, np.float32, stream), stream)
 
         if sinks is None:
             sinks_arg, has_sinks = scratch((1,)), 0
         else:
             sinks_arg, has_sinks = _float_arg(sinks, stream), 1
         flags = (scaling, window, cap, sinks_arg, has_sinks)
-        return cls((q_arg, k_arg, v_arg, *meta), flags, interop.as_kernel_arg(out, stream), scratch, stream, threads)
+        return cls((q_arg, k_arg, v_arg, *meta), flags, as_kernel_arg(out, stream), scratch, stream, threads)
 
     def decode(self, kernel, merge_kernel, num_decodes: int, num_kv_heads: int, num_heads: int, head_dim: int,
                splits: int, partition: int) -> None:

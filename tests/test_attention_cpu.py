@@ -10,9 +10,9 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from kvpage.attention import paged_attention_reference, write_kv_reference  # noqa: E402
-from kvpage.attention.cpu import (  # noqa: E402
-    paged_attention_cpu, prepare_cpu_attention_metadata, write_kv_cpu)
-from kvpage.attention.numba_cpu import build_work_tiles, paged_attention_numba  # noqa: E402
+from kvpage.attention.cpu import paged_attention_cpu, write_kv_cpu  # noqa: E402
+from kvpage.attention.cpu_metadata import build_work_tiles, prepare_cpu_attention_metadata  # noqa: E402
+from kvpage.attention.numba_cpu import paged_attention_numba  # noqa: E402
 from kvpage.attention.torch_cpu import paged_attention_torch  # noqa: E402
 from kvpage.core.sched.metadata import leading_decodes  # noqa: E402
 

@@ -13,7 +13,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kvpage.attention import paged_attention_reference  # noqa: E402
-from kvpage.attention.cpu import kv_layouts_differ, paged_attention_cpu, prepare_cpu_attention_metadata  # noqa: E402
+from kvpage.attention.cpu import kv_layouts_differ, paged_attention_cpu  # noqa: E402
+from kvpage.attention.cpu_metadata import prepare_cpu_attention_metadata  # noqa: E402
 from kvpage.attention.torch_cpu import paged_attention_torch, write_kv_torch  # noqa: E402
 
 BS = 4

@@ -13,7 +13,7 @@ import torch
 tf = pytest.importorskip("transformers")
 
 from kvpage import LLM  # noqa: E402
-from kvpage.adapters.attention_ports import PORTS  # noqa: E402
+from kvpage.adapters.families import PORTS  # noqa: E402
 from kvpage.adapters.hf_runner import UnsupportedModelError  # noqa: E402
 from kvpage.tools.census.compare import census_prompts, compare_with_hf  # noqa: E402
 from kvpage.tools.census.tiny_config import tiny_config  # noqa: E402
@@ -102,7 +102,7 @@ def test_falcon_on_the_interface_gets_no_port_and_its_alibi_from_kvpage(caplog):
         assert runner.uses_alibi and runner.eager_reason is not None and "ALiBi" in runner.eager_reason
         assert runner.compiled is None
         assert any("compilation off" in r.getMessage() and "ALiBi" in r.getMessage() for r in caplog.records)
-        slopes = [s for s in runner.site_alibi if s is not None]
+        slopes = [site.alibi_slopes for site in runner.sites if site.alibi_slopes is not None]
         assert len(slopes) == model.config.num_hidden_layers
         head_dim = model.config.hidden_size // model.config.num_attention_heads
         heads = model.config.num_attention_heads

@@ -18,7 +18,7 @@ from kvpage.attention import paged_attention_reference
 from kvpage.attention.cpu import paged_attention_cpu
 from kvpage.attention.reference import gather_context
 from kvpage.attention.torch_cpu import paged_attention_torch
-from kvpage.storage.kv_storage import KVCacheSpec, LayerKVSpec
+from kvpage.storage.spec import KVCacheSpec, LayerKVSpec
 from test_attention_cpu import BS, SCALE, SCENARIOS, make_case
 from tiny_models import hf_greedy
 

@@ -281,7 +281,7 @@ def test_n_greater_than_one_forks_at_the_first_token_sharing_prompt_blocks():
     assert seqs["p#1"].block_ids == blocks and seqs["p#2"].block_ids == blocks
     assert [engine.scheduler.pool.ref_count(b) for b in blocks] == [3, 3]
     assert engine.scheduler.pool.num_free_blocks == NUM_BLOCKS - 2
-    engine.scheduler.check_integrity()
+    engine.check_integrity()
     run(engine)
     out = engine.take_finished()["p"]
     assert [(o.index, o.token_ids, o.text, o.finish_reason) for o in out.outputs] == [
@@ -510,7 +510,7 @@ def test_sink_of_a_parallel_request_gets_every_samples_deltas():
 def test_step_observers_see_every_non_empty_step():
     engine = make_engine()
     seen = []
-    engine.step_observers.append(seen.append)
+    engine.add_step_observer(seen.append)
     assert engine.step() == [] and seen == []  # nothing to run: not called
     engine.add_request("AB", greedy(max_tokens=3), request_id="a")
     engine.add_request("CDE", greedy(max_tokens=1), request_id="b")
@@ -526,7 +526,7 @@ def test_step_observer_runs_before_the_model():
     runner = NextTokenRunner()
     engine = make_engine(runner=runner)
     order = []
-    engine.step_observers.append(lambda out: order.append(("observer", len(runner.calls))))
+    engine.add_step_observer(lambda out: order.append(("observer", len(runner.calls))))
     engine.add_request("AB", greedy(max_tokens=2))
     run(engine)
     assert order == [("observer", 0), ("observer", 1)]

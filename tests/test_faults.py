@@ -90,7 +90,7 @@ def assert_no_leak(engine) -> None:
     assert stats["num_free_blocks"] == stats["num_blocks"], stats
     assert stats["num_running"] == stats["num_waiting"] == 0
     assert not engine.has_unfinished_requests()
-    engine.scheduler.check_integrity()
+    engine.check_integrity()
 
 
 def drain(engine) -> dict:
@@ -310,7 +310,7 @@ class _LiveServer:
         from server_process import free_port
 
         self.engine = AsyncLLM(llm.engine).start()
-        app = build_app(self.engine, llm.tokenizer, ["tiny"], llm.engine.scheduler.config.max_model_len,
+        app = build_app(self.engine, llm.tokenizer, ["tiny"], llm.max_model_len,
                         max_tokens_cap=32, max_body_bytes=8192)
         self.base = f"http://127.0.0.1:{free_port()}"
         port = int(self.base.rsplit(":", 1)[1])
@@ -440,7 +440,7 @@ def _abort_checked(engine, rid: str) -> None:
     free_before = pool.num_free_blocks
     assert engine.abort(rid)
     assert pool.num_free_blocks - free_before == own
-    engine.scheduler.check_integrity()
+    engine.check_integrity()
 
 
 def test_abort_storm_frees_exactly_the_aborted_blocks(fresh):

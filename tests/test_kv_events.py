@@ -104,7 +104,7 @@ def test_the_event_stream_rebuilds_every_tier(tmp_path):
         for _ in range(2):  # the second turn re-sends each history: hits in every tier
             outs = llm.generate(prompts, params, use_tqdm=False)
             prompts = [p + o.outputs[0].token_ids + [7, 8, 9] for p, o in zip(prompts, outs)]
-        llm.engine.kv_tiers.flush()
+        llm.flush_kv_tiers()
         llm.engine.step()  # an idle step publishes what the disk threads reported
         stats = llm.stats()
         assert stats["kv_host_evictions"] > 0 and stats["kv_disk_evictions"] > 0  # every tier churned

@@ -7,8 +7,10 @@ import sys
 import numpy as np
 import pytest
 
-from kvpage.storage.kv_storage import (CPU_EXPECTED_SEQ_TOKENS, CPU_MAX_FREE_RAM_FRACTION, CPU_MAX_KV_BYTES,
-                               KVCacheSpec, LayerKVSpec, PagedKVCache, determine_num_blocks, free_ram_bytes)
+from kvpage.storage.paged_cache import PagedKVCache
+from kvpage.storage.sizing import (CPU_EXPECTED_SEQ_TOKENS, CPU_MAX_FREE_RAM_FRACTION, CPU_MAX_KV_BYTES,
+                                   determine_num_blocks, free_ram_bytes)
+from kvpage.storage.spec import KVCacheSpec, LayerKVSpec
 
 SPEC = KVCacheSpec.uniform(num_layers=2, num_kv_heads=4, head_dim=8, block_size=16, dtype="float16")
 BPB = 2 * 2 * 4 * 8 * 2 * 16  # K+V x layers x heads x head_dim x bytes x tokens
@@ -251,14 +253,15 @@ def test_cupy_buffers_and_dlpack_view():
 
 
 def test_imports_stay_torch_free():
-    code = ("import sys, kvpage, kvpage.storage.kv_storage, kvpage.attention, kvpage.attention.cpu; "
+    code = ("import sys, kvpage, kvpage.storage.spec, kvpage.storage.sizing, kvpage.storage.paged_cache, "
+            "kvpage.attention, kvpage.attention.cpu; "
             "bad = [m for m in ('torch', 'numba', 'cupy') if m in sys.modules]; print(bad); assert not bad")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_sizing_rule_names_the_precedence():
-    from kvpage.storage.kv_storage import kv_sizing_rule
+    from kvpage.storage.sizing import kv_sizing_rule
 
     assert kv_sizing_rule(num_kv_blocks=8, kv_cache_memory=1 << 20, device="cuda") == "explicit count"
     assert kv_sizing_rule(kv_cache_memory=1 << 20, device="cuda") == "byte budget"

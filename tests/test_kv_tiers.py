@@ -127,7 +127,7 @@ def test_other_families_are_exact_with_host_and_disk(family, tmp_path):
 def test_stats_report_every_tier(llama, tmp_path):
     with engine(llama, kv_offloading_size=0.001, kv_disk_cache=str(tmp_path / "kv")) as llm:
         _converse(llm)
-        llm.engine.kv_tiers.flush()
+        llm.flush_kv_tiers()
         stats = llm.stats()
     for key in ("kv_host_blocks", "kv_host_used_blocks", "kv_disk_blocks", "kv_disk_used_blocks", "kv_pool_evictions",
                 "kv_host_evictions", "kv_disk_evictions", "kv_pool_hit_tokens", "kv_host_hit_tokens",
@@ -143,10 +143,10 @@ def test_stats_report_every_tier(llama, tmp_path):
 def test_reset_prefix_cache_empties_every_tier(llama, tmp_path):
     with engine(llama, kv_offloading_size=0.001, kv_disk_cache=str(tmp_path)) as llm:
         first = _converse(llm, rounds=1)[0]
-        llm.engine.kv_tiers.flush()
+        llm.flush_kv_tiers()
         assert _block_files(tmp_path)
         llm.reset_prefix_cache()
-        llm.engine.kv_tiers.flush()
+        llm.flush_kv_tiers()
         scheduler = llm.engine.scheduler
         assert scheduler.pool.num_cached_blocks == 0
         assert len(scheduler.offload.host) == 0 and len(scheduler.offload.disk) == 0
@@ -242,7 +242,7 @@ def test_a_size_cap_keeps_the_disk_tier_within_it(llama, reference, tmp_path):
     cap_gib = 12 * disk_entry_bytes(block_bytes) / 2**30  # room for 12 block files
     with engine(llama, kv_disk_cache=str(tmp_path), kv_disk_cache_size=cap_gib) as llm:
         outputs = _converse(llm)[0]
-        llm.engine.kv_tiers.flush()
+        llm.flush_kv_tiers()
         stats = llm.stats()
         _check_drained(llm)
     files = _block_files(tmp_path)
@@ -259,7 +259,7 @@ def test_a_full_disk_degrades_to_recompute(llama, reference, tmp_path, monkeypat
     with caplog.at_level(logging.WARNING, logger="kvpage"), \
             engine(llama, kv_disk_cache=str(tmp_path), kv_offloading_size=0.001) as llm:
         outputs = _converse(llm)[0]
-        llm.engine.kv_tiers.flush()
+        llm.flush_kv_tiers()
         llm.engine.step()  # an idle step takes the last failure reports
         stats = llm.stats()
         _check_drained(llm)
@@ -326,10 +326,10 @@ def test_a_folder_turning_read_only_mid_run_fails_no_request(llama, reference, t
     folder = tmp_path / "kv"
     with caplog.at_level(logging.WARNING, logger="kvpage"), engine(llama, kv_disk_cache=str(folder)) as llm:
         llm.generate([[9, 9, 9, 9, 9]], GREEDY, use_tqdm=False)  # creates the model's folder
-        llm.engine.kv_tiers.flush()
+        llm.flush_kv_tiers()
         with read_only(folder):
             outputs = _converse(llm)[0]
-            llm.engine.kv_tiers.flush()
+            llm.flush_kv_tiers()
             llm.engine.step()
         stats = llm.stats()
         _check_drained(llm)

@@ -19,7 +19,7 @@ def _assert_no_leak(llm: LLM) -> None:
     stats = llm.stats()
     assert stats["num_free_blocks"] == stats["num_blocks"]
     assert stats["num_running"] == stats["num_waiting"] == 0
-    llm.engine.scheduler.check_integrity()
+    llm.check_integrity()
 
 
 def test_outputs_keep_input_order_and_report_fields(llm):

@@ -15,8 +15,8 @@ pytest.importorskip("numba")
 
 from kvpage.attention import paged_attention_reference  # noqa: E402
 from kvpage.kernels import native_cpu  # noqa: E402
-from kvpage.attention.cpu import (  # noqa: E402
-    paged_attention_cpu, prepare_cpu_attention_metadata, write_and_attend_cpu, write_kv_cpu)
+from kvpage.attention.cpu import paged_attention_cpu, write_and_attend_cpu, write_kv_cpu  # noqa: E402
+from kvpage.attention.cpu_metadata import prepare_cpu_attention_metadata  # noqa: E402
 
 pytestmark = pytest.mark.skipif(native_cpu.library() is None,
                                 reason="native kernels unavailable here (no AVX-512F or AVX2, or no C++ compiler)")

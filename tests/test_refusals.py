@@ -41,9 +41,9 @@ def test_recurrent_state_no_carrier_reaches_is_refused_naming_the_layer_type(mon
     """State kept where neither transformers' Cache nor a family carrier reaches (here
     RecurrentGemma's block attributes, with its carrier taken away) is refused, the
     layer type named by the module that implements it."""
-    from kvpage.adapters import state_carriers
+    from kvpage.adapters import families
 
-    monkeypatch.setattr(state_carriers, "_FAMILY_CARRIERS", {})
+    monkeypatch.setitem(families.FAMILIES, "recurrent_gemma", families.Family())
     torch.manual_seed(0)
     model = tf.RecurrentGemmaForCausalLM._from_config(tiny_config(tf.RecurrentGemmaConfig), dtype=torch.float32)
     with pytest.raises(UnsupportedModelError, match="layer type 'rg_lru' keeps recurrent state .* outside "

@@ -16,7 +16,7 @@ from kvpage.adapters.sparse_indexer import IndexerPort  # noqa: E402
 from kvpage.attention.torch_cpu import paged_attention_torch, selected_attention_torch  # noqa: E402
 from kvpage.tools.census.compare import census_prompts, compare_with_hf, hf_reference  # noqa: E402
 from kvpage.tools.census.tiny_config import tiny_config  # noqa: E402
-from kvpage.storage.kv_storage import LayerKVSpec  # noqa: E402
+from kvpage.storage.spec import LayerKVSpec  # noqa: E402
 
 FAMILIES = {
     "deepseek_v32": (tf.DeepseekV32Config, tf.DeepseekV32ForCausalLM),  # half-split rotary in the indexer

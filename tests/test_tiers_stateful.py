@@ -23,7 +23,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvpage import CacheConfig, SamplingParams, Scheduler, SchedulerConfig
 from kvpage.engine.llm_engine import LLMEngine
-from kvpage.storage.kv_storage import KVCacheSpec, PagedKVCache
+from kvpage.storage.paged_cache import PagedKVCache
+from kvpage.storage.spec import KVCacheSpec
 from kvpage.engine.sampler import Sampler
 from kvpage.storage.tiers.agent import KVTierAgent
 from kvpage.storage.tiers.disk_store import DiskKVStore
@@ -104,10 +105,10 @@ class TieredMachine(RuleBasedStateMachine):
                                                   max_model_len=MAX_MODEL_LEN, max_preemptions_before_pin=2))
         self.kv = PagedKVCache(SPEC, NUM_BLOCKS, backend="numpy")
         self.runner = TruthRunner(self.kv, self.s)
-        self.engine = LLMEngine(self.runner, Sampler(0), char_tokenizer(), self.s, VOCAB)
         self.disk = DiskKVStore(self.dir.name, "f" * 64, (1, BS, 1, 2), torch.float32)
         assert self.disk.open() == (True, None)
-        self.engine.kv_tiers = KVTierAgent(self.kv, HOST_BLOCKS, self.disk, disk_writable=True)
+        self.engine = LLMEngine(self.runner, Sampler(0), char_tokenizer(), self.s, VOCAB,
+                                kv_tiers=KVTierAgent(self.kv, HOST_BLOCKS, self.disk, disk_writable=True))
         self.ids = itertools.count()
         self.history: list[list[int]] = []  # finished conversations, to send again with a new turn
 

@@ -139,7 +139,7 @@ def kv_groups_of(model) -> int:
         return kv_spec_from_config(model.config, 4, "float32").kv_groups().num_groups
     except ValueError:  # KV shared across layers: only a probe of the loaded model plans it
         from kvpage.adapters.hf_runner import HFModelRunner
-        from kvpage.storage.kv_storage import KVCacheSpec
+        from kvpage.storage.spec import KVCacheSpec
 
         runner = HFModelRunner(model)
         try:

@@ -12,14 +12,15 @@ Every backend implements the same two operations over paged KV buffers shaped
   are its last ``q_len`` positions of a context of ``seq_lens[i]`` tokens and attend
   causally to the whole context. Returns ``[T, num_heads, head_dim]`` in ``q``'s dtype.
 
-``reference`` is the plain implementation all others are tested against. The CPU
-backend also offers ``write_and_attend_cpu``: both operations in one call (one native
+``reference`` is the plain implementation all others are tested against. On CPU,
+``cpu.CPUKernels`` binds one attention site's kernels once (``cpu.CPUAttention`` holds a
+model's), and also offers ``write_and_attend``: both operations in one call (one native
 call per layer for decode-only steps).
 """
-from kvpage.attention.cpu import (CPUAttentionMetadata, paged_attention_cpu, prepare_cpu_attention_metadata, write_and_attend_cpu,
-                  write_kv_cpu)
+from kvpage.attention.cpu import paged_attention_cpu, write_and_attend_cpu, write_kv_cpu
+from kvpage.attention.cpu_metadata import CPUAttentionMetadata, prepare_cpu_attention_metadata
 from kvpage.attention.reference import paged_attention_reference, write_kv_reference
 
-# ``cpu`` imports numpy only; its native/numba/torch backends load on first call.
+# ``cpu`` imports numpy only; its native/numba/torch backends load when a layout is bound.
 __all__ = ["paged_attention_reference", "write_kv_reference", "paged_attention_cpu", "write_kv_cpu",
            "write_and_attend_cpu", "prepare_cpu_attention_metadata", "CPUAttentionMetadata"]

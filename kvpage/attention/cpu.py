@@ -1,163 +1,148 @@
-"""CPU paged-attention dispatcher: one entry point, the fastest measured backend per phase.
+"""CPU paged attention: each attention site's kernels are chosen once, then called per step.
 
-Import is torch- and numba-free; backends load on first use.
+Contract: the one in :mod:`kvpage.attention` (``write_kv`` and ``paged_attention``, same
+masks, softcap, sinks, chunked attention, ALiBi and GQA rule as the reference), on torch
+CPU tensors or numpy arrays; results come back in q's kind and dtype, ``[T, H, D_v]``.
 
-Per step, build a :class:`CPUAttentionMetadata` once (``prepare_cpu_attention_metadata``)
-and pass it as ``metadata=`` to every layer's :func:`paged_attention_cpu` /
-:func:`write_kv_cpu` call: index arrays are converted (int32 for numba, int64 tensors for
-torch), the decode/prefill split is found and the numba work tiles are built once, not
-per layer.
+* :class:`CPUKernels` binds the kernels of one :class:`AttentionLayout` (what a site's
+  q and K/V buffers fix for the model's life: element types, head counts and sizes,
+  contiguity) under a :class:`CPUKernelChoice` and this machine's features (the native
+  library, numba): a decode kernel, a prefill kernel, a K/V store, and the fused native
+  write-and-decode where it serves. :func:`choose_kernels` states the rules. Per call it
+  reads only the step's :class:`~kvpage.attention.cpu_metadata.CPUAttentionMetadata`
+  (built once per step) and the layer's :class:`~kvpage.attention.cpu_metadata.LayerCall`.
+* :class:`CPUAttention` is one model's set: a site's kernels are bound on its first call
+  and found again by the identity of its K/V buffers.
+* :func:`paged_attention_cpu`, :func:`write_kv_cpu` and :func:`write_and_attend_cpu` bind
+  per call: for tests, benchmarks and one-off callers, not for a model's steps.
 
-Choice, measured on the 2-core AMD EPYC build VM (AVX-512; torch and numba both at 2
-threads; fp32, block_size 16, 8 query / 4 KV heads, head_dim 64). The VM is shared, so
-absolute times swing 2-4x between runs; ratios come from interleaved calls
-(``benchmarks/bench_attention_cpu.py``, ``test_bench_decode_target_ratio``):
-
-* decode, batch 32 x context 512: numba paged kernel / contiguous SDPA (the no-paging
-  bound) = 1.30-1.39 over three runs (e.g. 3.44 ms vs 2.48 ms); torch gather + SDPA 6-8x
-  (the gather copies the whole context first). -> decode uses numba.
-* prefill, one 512-token prompt: torch ~4.8 ms vs numba ~44 ms (contiguous SDPA 3.6 ms);
-  a 128-token chunk over 1024 context: torch ~3.8 ms vs numba ~30 ms. SDPA's blocked
-  kernel beats the scalar-softmax numba tiles ~8-10x once there are many query rows.
-  -> prefill uses torch (the numba tile kernel stays as the torch-free path for numpy
-  inputs, and for softcap/sinks it avoids the fp32 math fallback).
-
-K and V of different shapes (MLA models such as DeepSeek-V2/V3 and MiniCPM3, whose V head
-is smaller than K's) always take the torch backend, both phases: the numba kernels read K
-and V of one shape (``kv_layouts_differ``).
-
-Those figures chose between numba and torch. Since then torch inputs take the native
-kernels (:mod:`kvpage.kernels.native_cpu`) where they build:
-
-* prefill: ten ~210-token prompts, SmolLM2's heads (9 query / 3 KV, head_dim 64): the
-  matmul-shaped native kernel takes 3.9 ms per layer in bf16 and 7.4 ms in fp32, against
-  11.9 and 13.1 ms for gather + SDPA (interleaved calls; the dot-product kernel before it
-  took 6.9 and 9.8 ms).
-* decode: numba and torch each keep an OpenMP thread pool (two copies of GNU OpenMP);
-  when calls alternate, the idle pool's spinning worker competes with the busy one. The
-  native kernel runs on torch's pool, and decode-only steps write K/V and attend in one
-  native call per layer (:func:`write_and_attend_cpu`). A bf16 decode step of
-  SmolLM2-135M at batch 16 (contexts 100-180, compiled model) took 34.9 ms that way
-  against 43.9 ms on the numba kernels, run back to back: attention and writes 4.8 ms
-  instead of 9.0 ms, and the linears faster too with no second pool spinning. At batch
-  34 x context 220 (offline) the kernel is bound by reading scattered KV blocks from
-  DRAM; prefetching them into L2 instead of L1 made that 1.4x faster.
-
-Numba (decode) and torch (prefill) stay the paths wherever the native library is
-unavailable, and numba serves numpy inputs.
+Import is torch- and numba-free; the backends load when a layout is bound.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import numpy as np
 
-#: Backend for non-decode sequences of torch inputs: "native" (the C++ kernel; torch
-#: where it is unavailable or unfit), "numba" or "torch"; see the module docstring.
-PREFILL_BACKEND = "native"
-#: Backend for the leading query-length-1 sequences of torch inputs: "native" (the C++
-#: kernel of :mod:`kvpage.kernels.native_cpu`; numba where it is unavailable or unfit),
-#: "numba" or "torch".
-DECODE_BACKEND = "native"
+from kvpage.attention.cpu_metadata import (CPUAttentionMetadata, LayerCall, is_torch, kernel_dtype_name,
+                                           prepare_cpu_attention_metadata)
+
+if TYPE_CHECKING:
+    from kvpage.attention.cpu_metadata import Array
+
 #: The numba decode kernel is specialized per head size through tuple-length types, and
 #: numba's parallel loops cannot carry tuples much longer than this: larger heads (Gemma4's
 #: 512-wide global layers) decode on torch.
 NUMBA_DECODE_MAX_HEAD_DIM = 256
+BACKENDS = ("native", "numba", "torch")
+
+#: ``store(key_cache, value_cache, k, v, slot_mapping)``: the contract's ``write_kv``.
+Store = Callable[..., None]
 
 
-def decodes_of(query_start_loc, num_decodes: Optional[int]) -> int:
-    """``num_decodes`` as given (a ``StepMetadata`` carries it), else the leading run of
-    query-length-1 sequences by the metadata's own rule."""
-    if num_decodes is not None:
-        return int(num_decodes)
-    from kvpage.core.sched.metadata import leading_decodes
+@dataclass(frozen=True, slots=True)
+class CPUKernelChoice:
+    """Which backend each phase of torch inputs asks for: ``"native"`` (the C++ kernels of
+    :mod:`kvpage.kernels.native_cpu`), ``"numba"`` or ``"torch"``. Where the asked one
+    cannot serve a layout, :func:`choose_kernels` falls back."""
 
-    return leading_decodes(np.diff(np.asarray(query_start_loc, dtype=np.int64)))
+    decode_backend: str = "native"
+    prefill_backend: str = "native"
+
+    def __post_init__(self) -> None:
+        for backend in (self.decode_backend, self.prefill_backend):
+            if backend not in BACKENDS:
+                raise ValueError(f"unknown CPU attention backend {backend!r}; expected one of {BACKENDS}")
 
 
-def _to_numpy(a, dtype) -> np.ndarray:
-    if hasattr(a, "detach"):  # a torch tensor; no torch import needed to convert it
-        a = a.detach().cpu().numpy()
-    return np.ascontiguousarray(a, dtype=dtype)
+@dataclass(frozen=True, slots=True)
+class CacheLayout:
+    """What the kernel choice reads off a site's K/V buffers ``[num_blocks, block_size, heads, head_dim]``."""
 
+    tensors: bool  # torch tensors (else numpy arrays)
+    dtype: Optional[str]  # their kernel element type; None where K and V differ or no kernel reads it
+    k_shape: tuple[int, ...]
+    v_shape: tuple[int, ...]
+    kernel_readable: bool  # both contiguous in CPU memory, of a kernel element type (native, numba)
 
-@dataclass
-class CPUAttentionMetadata:
-    """Index arrays of one step, converted once for all layers.
-
-    Attributes:
-        query_start_loc: int32 [B + 1].
-        seq_lens: int32 [B] context length per sequence (tokens).
-        block_tables: int32 [B, max_blocks], C-contiguous.
-        num_decodes: leading sequences with query length 1.
-        slot_mapping: int64 [T] flat KV slots for ``write_kv_cpu``, or None.
-    """
-
-    query_start_loc: np.ndarray
-    seq_lens: np.ndarray
-    block_tables: np.ndarray
-    num_decodes: int
-    slot_mapping: Optional[np.ndarray] = None
-    _work: Optional[np.ndarray] = None
-    _torch: dict = field(default_factory=dict)
-    _splits: dict = field(default_factory=dict)
+    @classmethod
+    def of(cls, key_cache: Array, value_cache: Array) -> "CacheLayout":
+        tensors = is_torch(key_cache)
+        same = key_cache.dtype == value_cache.dtype
+        dtype = kernel_dtype_name(key_cache.dtype) if same else None
+        if tensors:
+            contiguous = (key_cache.device.type == "cpu" and key_cache.is_contiguous()
+                          and value_cache.is_contiguous())
+        else:
+            contiguous = key_cache.flags.c_contiguous and value_cache.flags.c_contiguous
+        return cls(tensors, dtype, tuple(key_cache.shape), tuple(value_cache.shape),
+                   bool(contiguous) and dtype is not None)
 
     @property
-    def work(self) -> np.ndarray:
-        """Numba prefill work tiles (built on first use)."""
-        if self._work is None:
-            from kvpage.attention.numba_cpu import build_work_tiles
-
-            self._work = build_work_tiles(self.query_start_loc, self.num_decodes)
-        return self._work
-
-    def decode_splits(self, num_threads: int, block_size: int) -> int:
-        """Context splits per decode sequence (``numba_decode.decode_splits``), once per step."""
-        key = (num_threads, block_size)
-        if key not in self._splits:
-            from kvpage.kernels.numba_decode import decode_splits
-
-            longest = int(self.seq_lens[:self.num_decodes].max()) if self.num_decodes else 0
-            self._splits[key] = decode_splits(self.num_decodes, longest, block_size, num_threads)
-        return self._splits[key]
-
-    def native_step(self, num_threads: int, block_size: int) -> tuple:
-        """The step's arguments of :func:`native_cpu.write_decode` (addresses stay valid
-        while this metadata lives)."""
-        return (self.block_tables.ctypes.data, self.block_tables.strides[0] // 4, self.seq_lens.ctypes.data,
-                self.num_decodes, self.decode_splits(num_threads, block_size))
-
-    def torch_index(self, name: str) -> Any:
-        """``name``'s array as an int64 CPU tensor, converted on first use."""
-        if name not in self._torch:
-            import torch
-
-            self._torch[name] = torch.from_numpy(getattr(self, name).astype(np.int64))
-        return self._torch[name]
+    def kv_differ(self) -> bool:
+        """K and V rows differ in heads or head size (MLA): only torch and the reference read them."""
+        return self.k_shape[2:] != self.v_shape[2:]
 
 
-def prepare_cpu_attention_metadata(query_start_loc, seq_lens, block_tables, slot_mapping=None,
-                                   num_decodes: Optional[int] = None) -> CPUAttentionMetadata:
-    """Build the per-step metadata from numpy or torch index arrays (see module docstring).
+@dataclass(frozen=True, slots=True)
+class AttentionLayout:
+    """A site's q (element type, heads, head size) over its :class:`CacheLayout`."""
 
-    ``num_decodes`` comes from ``StepMetadata.num_decodes``; standalone callers may omit it.
+    q_dtype: Optional[str]
+    num_heads: int
+    head_dim: int
+    cache: CacheLayout
+
+    @classmethod
+    def of(cls, q: Array, key_cache: Array, value_cache: Array) -> "AttentionLayout":
+        return cls(kernel_dtype_name(q.dtype), int(q.shape[1]), int(q.shape[2]),
+                   CacheLayout.of(key_cache, value_cache))
+
+    def native_fits(self) -> bool:
+        """Whether the native kernels take this layout (given the library loads)."""
+        from kvpage.kernels import native_cpu
+
+        cache = self.cache
+        return (cache.tensors and cache.kernel_readable and not cache.kv_differ and self.q_dtype == cache.dtype
+                and native_cpu.decode_supported(self.head_dim, self.num_heads, cache.k_shape[2], cache.dtype))
+
+
+def choose_kernels(layout: AttentionLayout, choice: CPUKernelChoice, native: bool, numba: bool) -> tuple[str, str]:
+    """The (decode, prefill) backends of a layout: ``"native"``, ``"numba"``, ``"torch"``,
+    or for numpy inputs ``"numba"`` / ``"reference"`` (both phases alike).
+
+    ``native``/``numba``: whether the library loads and numba imports on this machine.
+    K and V of different shapes, and a machine without numba, take torch (numpy: the
+    reference); heads wider than :data:`NUMBA_DECODE_MAX_HEAD_DIM` decode on torch. Torch
+    inputs: a native phase the native kernels cannot serve becomes numba (decode) or torch
+    (prefill), as does a numba phase over caches the kernels cannot read; a numba prefill
+    makes a native decode numba too (one numba call serves both).
     """
-    qsl = _to_numpy(query_start_loc, np.int32)
-    lens = _to_numpy(seq_lens, np.int32)
-    tables = _to_numpy(block_tables, np.int32)
-    if qsl.ndim != 1 or lens.shape != (qsl.shape[0] - 1,) or tables.ndim != 2 or tables.shape[0] != lens.shape[0]:
-        raise ValueError(f"inconsistent metadata shapes: query_start_loc {qsl.shape}, seq_lens {lens.shape}, "
-                         f"block_tables {tables.shape}")
-    if np.any(np.diff(qsl) > lens):
-        raise ValueError("a sequence has more queries than context tokens (query_start_loc vs seq_lens)")
-    slots = None if slot_mapping is None else _to_numpy(slot_mapping, np.int64)
-    return CPUAttentionMetadata(qsl, lens, tables, decodes_of(qsl, num_decodes), slots)
+    cache = layout.cache
+    decode, prefill = choice.decode_backend, choice.prefill_backend
+    if not numba or cache.kv_differ:
+        decode = prefill = "torch"
+    if layout.head_dim > NUMBA_DECODE_MAX_HEAD_DIM:
+        decode = "torch"
+    if not cache.tensors:  # numba, or the numpy oracle where numba cannot serve
+        return ("reference", "reference") if decode == "torch" else ("numba", "numba")
+    if not (native and layout.native_fits()):
+        decode = "numba" if decode == "native" else decode
+        prefill = "torch" if prefill == "native" else prefill
+    elif decode == "native" and prefill == "numba":
+        decode = "numba"
+    if not cache.kernel_readable:
+        decode = "torch" if decode == "numba" else decode
+        prefill = "torch" if prefill == "numba" else prefill
+    return decode, prefill
 
 
-def kv_layouts_differ(key_cache, value_cache) -> bool:
-    """True when K and V rows differ in heads or head size (then only torch serves them)."""
-    return tuple(key_cache.shape[2:]) != tuple(value_cache.shape[2:])
+def _native_library():
+    from kvpage.kernels import native_cpu
+
+    return native_cpu.library()
 
 
 def _numba_available() -> bool:
@@ -168,39 +153,174 @@ def _numba_available() -> bool:
     return True
 
 
-def _is_torch(x) -> bool:
-    return type(x).__module__.startswith("torch")
+class CPUKernels:
+    """The kernels of one :class:`AttentionLayout`, chosen once; see the module docstring.
+
+    ``decode_backend``/``prefill_backend`` name the chosen backends (:func:`choose_kernels`).
+    """
+
+    __slots__ = ("layout", "decode_backend", "prefill_backend", "_step", "_variant", "_store", "_fused",
+                 "_fused_rows")
+
+    def __init__(self, layout: AttentionLayout, choice: CPUKernelChoice = CPUKernelChoice()) -> None:
+        lib = _native_library() if layout.cache.tensors else None  # numpy inputs never take it
+        self.layout = layout
+        self.decode_backend, self.prefill_backend = choose_kernels(layout, choice, lib is not None,
+                                                                   _numba_available())
+        self._store = choose_store(layout.cache)
+        self._fused = self._fused_rows = None
+        if not layout.cache.tensors:
+            self._step = _numba_numpy_step if self.decode_backend == "numba" else _reference_step
+            self._variant = _reference_step
+        else:
+            self._bind_torch(lib)
+
+    def _bind_torch(self, lib) -> None:
+        from kvpage.attention import cpu_kernels as kernels
+
+        decode, prefill, dtype = self.decode_backend, self.prefill_backend, self.layout.cache.dtype
+        native = kernels.NativeKernels(lib, dtype) if "native" in (decode, prefill) else None
+        numba = kernels.NumbaKernels(dtype) if "numba" in (decode, prefill) else None
+        self._variant = kernels.torch_step
+        if decode == prefill == "torch":
+            self._step = kernels.torch_step
+        elif decode == prefill == "numba":
+            self._step = numba.step
+        else:
+            phases = {"native": native, "numba": numba}
+            self._step = kernels.PhasedStep(
+                kernels.torch_decode if decode == "torch" else phases[decode].decode,
+                kernels.torch_prefill if prefill == "torch" else phases[prefill].prefill)
+        if decode == "native":
+            self._fused = native
+            self._fused_rows = (_torch_dtype(dtype), self.layout.cache.k_shape[2:])
+
+    def attend(self, q: Array, key_cache: Array, value_cache: Array, md: CPUAttentionMetadata,
+               call: LayerCall) -> Array:
+        """The contract's ``paged_attention`` of ``q`` ``[T, H, D]``; returns ``[T, H, D_v]`` in q's dtype."""
+        if call.is_variant:
+            return self._variant(q, key_cache, value_cache, md, call)
+        return self._step(q, key_cache, value_cache, md, call)
+
+    def write(self, key_cache: Array, value_cache: Array, k: Array, v: Array, slot_mapping: Array) -> None:
+        """The contract's ``write_kv``: rows ``[T, H_kv, D]`` to ``slot_mapping`` ``[T]``, in place."""
+        self._store(key_cache, value_cache, k, v, slot_mapping)
+
+    def write_and_attend(self, q: Array, k: Optional[Array], v: Optional[Array], key_cache: Array,
+                         value_cache: Array, md: CPUAttentionMetadata, call: LayerCall, write: bool = True) -> Array:
+        """:meth:`write` of ``k``/``v`` to ``md.slot_mapping`` (unless ``write`` is False),
+        then :meth:`attend`. A decode-only step the native kernels take runs both in one
+        call: per layer the hot path of a decode step."""
+        fused = self._fused
+        if fused is not None and fused.fits(q, k, v, md, call, write, *self._fused_rows):
+            return fused.write_and_decode(q, k, v, key_cache, value_cache, md, call, write)
+        if write:
+            self._store(key_cache, value_cache, k, v, _slots_of(md))
+        return self.attend(q, key_cache, value_cache, md, call)
 
 
-def paged_attention_cpu(
-    q,
-    key_cache,
-    value_cache,
-    query_start_loc=None,
-    seq_lens=None,
-    block_tables=None,
-    scaling: Optional[float] = None,
-    sliding_window: Optional[int] = None,
-    softcap: Optional[float] = None,
-    sinks=None,
-    *,
-    metadata: Optional[CPUAttentionMetadata] = None,
-    decode_backend: Optional[str] = None,
-    prefill_backend: Optional[str] = None,
-    attention_chunk: Optional[int] = None,
-    alibi_slopes=None,
-):
-    """The contract's ``paged_attention`` on CPU; torch tensors or numpy arrays in, same kind out.
+def choose_store(cache: CacheLayout) -> Store:
+    """The K/V store of these caches: the native row store, else numba's, for caches the
+    kernels read; else torch's ``index_copy_`` (numpy caches: the reference's)."""
+    if not cache.tensors:
+        from kvpage.attention.reference import write_kv_reference
 
-    Pass either the three index arrays (numpy or torch) or ``metadata=`` (preferred: built
-    once per step). ``q`` is ``[T, H, D]``; caches ``[num_blocks, block_size, H_kv, D]``
-    of the same dtype (float32/float16/bfloat16); V's heads and head size may differ from
-    K's (then the output is ``[T, H, D_v]``). Output has ``q``'s dtype.
-    Backends: ``"numba"`` or ``"torch"`` per phase (defaults ``DECODE_BACKEND`` /
-    ``PREFILL_BACKEND``); numpy inputs use numba (the reference if numba is missing).
-    K and V of different shapes always take torch (the reference for numpy inputs), and
-    so do chunked attention (``attention_chunk``, Llama 4) and ALiBi (``alibi_slopes``,
-    Bloom, MPT), which only those two implement.
+        return write_kv_reference
+    from kvpage.attention import cpu_kernels
+
+    lib = _native_library()
+    if cache.kernel_readable and lib is not None:
+        return cpu_kernels.NativeKernels(lib, cache.dtype).store
+    if cache.kernel_readable and _numba_available():
+        return cpu_kernels.NumbaKernels(cache.dtype).store
+    return cpu_kernels.torch_store
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    return getattr(torch, name)
+
+
+def _slots_of(md: Optional[CPUAttentionMetadata]) -> Array:
+    if md is None or md.slot_mapping is None:
+        raise ValueError("pass slot_mapping, or metadata built with slot_mapping")
+    return md.slot_mapping
+
+
+def _numba_numpy_step(q, key_cache, value_cache, md: CPUAttentionMetadata, call: LayerCall) -> np.ndarray:
+    from kvpage.attention.numba_cpu import paged_attention_numba
+
+    out = paged_attention_numba(q, key_cache, value_cache, md.query_start_loc, md.seq_lens, md.block_tables,
+                                call.scaling, call.sliding_window, call.softcap, call.sinks,
+                                num_decodes=md.num_decodes, work=md.work)
+    return out.astype(q.dtype, copy=False)
+
+
+def _reference_step(q, key_cache, value_cache, md: CPUAttentionMetadata, call: LayerCall) -> np.ndarray:
+    from kvpage.attention.reference import paged_attention_reference
+
+    return paged_attention_reference(q, key_cache, value_cache, md.query_start_loc, md.seq_lens, md.block_tables,
+                                     call.scaling, call.sliding_window, call.softcap, call.sinks,
+                                     attention_chunk=call.attention_chunk, alibi_slopes=call.alibi_slopes)
+
+
+@dataclass(slots=True)
+class _Site:
+    """A bound site: its buffers (weakly, so a freed KV cache is not kept) and q's type."""
+
+    key_cache: weakref.ref
+    value_cache: weakref.ref
+    q_type: tuple
+    kernels: CPUKernels
+
+
+@dataclass(slots=True)
+class CPUAttention:
+    """One model's CPU attention: each site's :class:`CPUKernels`, bound on the site's first
+    call (sites of one layout share them) and found again by the identity of its K/V
+    buffers, which live as long as the model's KV cache."""
+
+    choice: CPUKernelChoice = field(default_factory=CPUKernelChoice)
+    _sites: dict = field(default_factory=dict, init=False, repr=False)  # id(key buffer) -> _Site
+    _stores: dict = field(default_factory=dict, init=False, repr=False)  # id(key buffer) -> (ref, ref, Store)
+    _by_layout: dict = field(default_factory=dict, init=False, repr=False)  # AttentionLayout -> CPUKernels
+
+    def kernels(self, q: Array, key_cache: Array, value_cache: Array) -> CPUKernels:
+        """The kernels of the site whose buffers these are, for q of this type."""
+        site = self._sites.get(id(key_cache))
+        q_type = (q.dtype, q.shape[1:])
+        if (site is None or site.key_cache() is not key_cache or site.value_cache() is not value_cache
+                or site.q_type != q_type):
+            layout = AttentionLayout.of(q, key_cache, value_cache)
+            kernels = self._by_layout.get(layout)
+            if kernels is None:
+                kernels = self._by_layout[layout] = CPUKernels(layout, self.choice)
+            site = _Site(weakref.ref(key_cache), weakref.ref(value_cache), q_type, kernels)
+            self._sites[id(key_cache)] = site
+        return site.kernels
+
+    def store(self, key_cache: Array, value_cache: Array) -> Store:
+        """The K/V store of these buffers (:func:`choose_store`)."""
+        entry = self._stores.get(id(key_cache))
+        if entry is None or entry[0]() is not key_cache or entry[1]() is not value_cache:
+            store = choose_store(CacheLayout.of(key_cache, value_cache))
+            entry = self._stores[id(key_cache)] = (weakref.ref(key_cache), weakref.ref(value_cache), store)
+        return entry[2]
+
+
+def paged_attention_cpu(q: Array, key_cache: Array, value_cache: Array, query_start_loc: Optional[Array] = None,
+                        seq_lens: Optional[Array] = None, block_tables: Optional[Array] = None,
+                        scaling: Optional[float] = None, sliding_window: Optional[int] = None,
+                        softcap: Optional[float] = None, sinks: Optional[Array] = None, *,
+                        metadata: Optional[CPUAttentionMetadata] = None, decode_backend: Optional[str] = None,
+                        prefill_backend: Optional[str] = None, attention_chunk: Optional[int] = None,
+                        alibi_slopes: Optional[Array] = None) -> Array:
+    """The contract's ``paged_attention``, kernels bound for this one call.
+
+    Pass either the three index arrays (numpy or torch) or ``metadata=`` (built once per
+    step). ``decode_backend``/``prefill_backend`` override :class:`CPUKernelChoice`'s
+    defaults; the other arguments are :class:`~kvpage.attention.cpu_metadata.LayerCall`'s.
     """
     if scaling is None:
         raise ValueError("scaling is required")
@@ -208,147 +328,33 @@ def paged_attention_cpu(
         if query_start_loc is None or seq_lens is None or block_tables is None:
             raise ValueError("pass query_start_loc, seq_lens and block_tables, or metadata=")
         metadata = prepare_cpu_attention_metadata(query_start_loc, seq_lens, block_tables)
-    if attention_chunk or alibi_slopes is not None:
-        if not _is_torch(q):
-            from kvpage.attention.reference import paged_attention_reference
-
-            return paged_attention_reference(q, key_cache, value_cache, metadata.query_start_loc, metadata.seq_lens,
-                                             metadata.block_tables, scaling, sliding_window, softcap, sinks,
-                                             attention_chunk=attention_chunk, alibi_slopes=alibi_slopes)
-        import torch
-
-        from kvpage.attention.torch_cpu import paged_attention_torch
-
-        return paged_attention_torch(q, key_cache, value_cache, metadata.torch_index("query_start_loc"),
-                                     metadata.torch_index("seq_lens"), metadata.torch_index("block_tables"), scaling,
-                                     sliding_window, softcap, sinks, num_decodes=metadata.num_decodes,
-                                     attention_chunk=attention_chunk,
-                                     alibi_slopes=None if alibi_slopes is None else torch.as_tensor(
-                                         alibi_slopes, dtype=torch.float32))
-    decode_backend = decode_backend or DECODE_BACKEND
-    prefill_backend = prefill_backend or PREFILL_BACKEND
-    if not _numba_available() or kv_layouts_differ(key_cache, value_cache):
-        decode_backend = prefill_backend = "torch"
-    if q.shape[-1] > NUMBA_DECODE_MAX_HEAD_DIM:
-        decode_backend = "torch"
-    if not _is_torch(q):
-        if decode_backend == "torch":  # numba missing or unfit: the numpy oracle is the only numpy path
-            from kvpage.attention.reference import paged_attention_reference
-
-            return paged_attention_reference(q, key_cache, value_cache, metadata.query_start_loc,
-                                             metadata.seq_lens, metadata.block_tables, scaling, sliding_window,
-                                             softcap, sinks)
-        return _numba_numpy(q, key_cache, value_cache, metadata, scaling, sliding_window, softcap, sinks)
-    return _dispatch_torch(q, key_cache, value_cache, metadata, scaling, sliding_window, softcap, sinks,
-                           decode_backend, prefill_backend)
+    defaults = CPUKernelChoice()
+    choice = CPUKernelChoice(decode_backend or defaults.decode_backend, prefill_backend or defaults.prefill_backend)
+    call = LayerCall(scaling, sliding_window, softcap, sinks, attention_chunk, alibi_slopes)
+    return CPUKernels(AttentionLayout.of(q, key_cache, value_cache), choice).attend(q, key_cache, value_cache,
+                                                                                   metadata, call)
 
 
-def write_and_attend_cpu(q, k, v, key_cache, value_cache, scaling: float, sliding_window: Optional[int] = None,
-                         softcap: Optional[float] = None, sinks=None, *, metadata: CPUAttentionMetadata,
-                         write: bool = True):
-    """:func:`write_kv_cpu` of ``k``/``v`` (unless ``write`` is False), then
-    :func:`paged_attention_cpu` of ``q``; same contracts and result.
-
-    A decode-only step of torch tensors that the native kernel takes (one dtype throughout,
-    K and V of one layout) runs both in one native call: per layer this is the hot path of a
-    decode step, and the separate calls cost several times the kernel's own work in Python.
-    """
-    if _fused_native_fits(q, k, v, key_cache, value_cache, metadata, write):
-        from kvpage.kernels import native_cpu
-
-        num_threads = _torch_threads()
-        sinks_np = _sinks_f32(sinks)
-        result = q.new_empty(q.shape)
-        qs = q.stride()
-        rows = (None, None, None)
-        if write:
-            ks, vs = k.stride(), v.stride()
-            rows = ((k.data_ptr(), ks[0], ks[1]), (v.data_ptr(), vs[0], vs[1]), metadata.slot_mapping.ctypes.data)
-        native_cpu.write_decode(
-            native_cpu.library(), _dtype_name(q.dtype), (q.data_ptr(), qs[0], qs[1]), *rows, q.shape[0],
-            key_cache.data_ptr(), value_cache.data_ptr(),
-            tuple(key_cache.shape), q.shape[1], metadata.native_step(num_threads, key_cache.shape[1]), scaling,
-            int(sliding_window or 0), float(softcap or 0.0), None if sinks_np is None else sinks_np.ctypes.data,
-            result.data_ptr(), num_threads)
-        return result
-    if write:
-        write_kv_cpu(key_cache, value_cache, k, v, metadata=metadata)
-    return paged_attention_cpu(q, key_cache, value_cache, scaling=scaling, sliding_window=sliding_window,
-                               softcap=softcap, sinks=sinks, metadata=metadata)
+def write_kv_cpu(key_cache: Array, value_cache: Array, k: Array, v: Array, slot_mapping: Optional[Array] = None, *,
+                 metadata: Optional[CPUAttentionMetadata] = None) -> None:
+    """The contract's ``write_kv`` (torch tensors or numpy arrays), in place, store bound for
+    this one call; slots come from ``slot_mapping`` or ``metadata.slot_mapping``."""
+    slots = _slots_of(metadata) if slot_mapping is None else slot_mapping
+    choose_store(CacheLayout.of(key_cache, value_cache))(key_cache, value_cache, k, v, slots)
 
 
-def _torch_threads() -> int:
-    import torch
-
-    return torch.get_num_threads()
-
-
-def _sinks_f32(sinks) -> Optional[np.ndarray]:
-    """Per-head sinks (torch of any float dtype, or numpy) as contiguous float32, or None."""
-    if sinks is None:
-        return None
-    return _to_numpy(sinks.float() if _is_torch(sinks) else sinks, np.float32)
+def write_and_attend_cpu(q: Array, k: Optional[Array], v: Optional[Array], key_cache: Array, value_cache: Array,
+                         scaling: float, sliding_window: Optional[int] = None, softcap: Optional[float] = None,
+                         sinks: Optional[Array] = None, *, metadata: CPUAttentionMetadata, write: bool = True) -> Array:
+    """:meth:`CPUKernels.write_and_attend` with the default choice, kernels bound for this one call."""
+    kernels = CPUKernels(AttentionLayout.of(q, key_cache, value_cache))
+    return kernels.write_and_attend(q, k, v, key_cache, value_cache, metadata,
+                                    LayerCall(scaling, sliding_window, softcap, sinks), write)
 
 
-def _fused_native_fits(q, k, v, key_cache, value_cache, md: CPUAttentionMetadata, write: bool) -> bool:
-    if DECODE_BACKEND != "native" or not _is_torch(q) or md.num_decodes != md.seq_lens.shape[0]:
-        return False
-    if q.shape[0] != md.num_decodes or (write and (md.slot_mapping is None or md.slot_mapping.shape[0] != q.shape[0])):
-        return False
-    dtype = q.dtype
-    if key_cache.dtype != dtype or value_cache.dtype != dtype or key_cache.shape != value_cache.shape:
-        return False
-    if write and (k.dtype != dtype or v.dtype != dtype or k.shape[1:] != key_cache.shape[2:]
-                  or v.shape[1:] != key_cache.shape[2:] or k.stride(-1) != 1 or v.stride(-1) != 1):
-        return False
-    return (q.stride(-1) == 1 and key_cache.is_contiguous() and value_cache.is_contiguous()
-            and _native_decodable(q, key_cache))
-
-
-def _numba_numpy(q, key_cache, value_cache, md, scaling, sliding_window, softcap, sinks):
-    from kvpage.attention.numba_cpu import paged_attention_numba
-
-    out = paged_attention_numba(q, key_cache, value_cache, md.query_start_loc, md.seq_lens, md.block_tables,
-                                scaling, sliding_window, softcap, sinks, num_decodes=md.num_decodes, work=md.work)
-    return out.astype(q.dtype, copy=False)
-
-
-def _dispatch_torch(q, key_cache, value_cache, md, scaling, sliding_window, softcap, sinks, decode_backend,
-                    prefill_backend):
-    import torch
-
-    from kvpage.attention import torch_cpu
-
-    nd, num_seqs = md.num_decodes, md.seq_lens.shape[0]
-    if "native" in (decode_backend, prefill_backend) and (not nd or decode_backend == "native") \
-            and prefill_backend != "numba" and _native_decodable(q, key_cache):
-        return _native_attention(q, key_cache, value_cache, md, scaling, sliding_window, softcap, sinks,
-                                 prefill_backend == "native")
-    decode_backend = "numba" if decode_backend == "native" else decode_backend
-    prefill_backend = "torch" if prefill_backend == "native" else prefill_backend
-    use_numba = (nd and decode_backend == "numba") or (nd < num_seqs and prefill_backend == "numba")
-    if not use_numba:
-        return torch_cpu.paged_attention_torch(q, key_cache, value_cache, md.torch_index("query_start_loc"),
-                                               md.torch_index("seq_lens"), md.torch_index("block_tables"), scaling,
-                                               sliding_window, softcap, sinks, num_decodes=nd)
-    from kvpage.attention.numba_cpu import paged_attention_numba
-
-    kc, vc, cache_dtype = _cache_views(key_cache, value_cache)
-    sinks_np = _sinks_f32(sinks)
-    out = np.zeros(tuple(q.shape), dtype=np.float32)
-    numba_decodes = nd if decode_backend == "numba" else 0
-    work = md.work if prefill_backend == "numba" else md.work[:0]
-    paged_attention_numba(q.detach().float().numpy(), kc, vc, md.query_start_loc, md.seq_lens, md.block_tables,
-                          scaling, sliding_window, softcap, sinks_np, cache_dtype=cache_dtype,
-                          num_decodes=numba_decodes, work=work, out=out)
-    result = torch.from_numpy(out).to(q.dtype)
-    if numba_decodes != nd:
-        result[:nd] = torch_cpu.decode_torch(q[:nd], key_cache, value_cache, md.torch_index("seq_lens")[:nd],
-                                             md.torch_index("block_tables")[:nd], scaling, sliding_window, softcap,
-                                             None if sinks is None else torch.as_tensor(sinks, dtype=torch.float32))
-    if prefill_backend != "numba" and nd < num_seqs:
-        _torch_prefill_into(result, q, key_cache, value_cache, md, scaling, sliding_window, softcap, sinks)
-    return result
+def kv_layouts_differ(key_cache: Array, value_cache: Array) -> bool:
+    """True when K and V rows differ in heads or head size (then only torch serves them)."""
+    return tuple(key_cache.shape[2:]) != tuple(value_cache.shape[2:])
 
 
 def cpu_kernels_summary(dtype_name: str, head_dims) -> str:
@@ -363,147 +369,3 @@ def cpu_kernels_summary(dtype_name: str, head_dims) -> str:
         native_cpu.prefill_uses_amx(lib, dtype_name, int(d)) for d in set(head_dims))
     isa = {"avx512": "AVX-512", "avx2": "AVX2"}[native_cpu.variant()]
     return f"native {isa} kernels" + (", bf16 prefill on AMX tiles" if amx else "")
-
-
-def _native_decodable(q, key_cache) -> bool:
-    """Whether the native decode kernel takes these tensors (caches already match in layout)."""
-    from kvpage.kernels import native_cpu
-
-    name = _dtype_name(key_cache.dtype)
-    return (q.dtype == key_cache.dtype and key_cache.device.type == "cpu" and native_cpu.library() is not None
-            and native_cpu.decode_supported(q.shape[2], q.shape[1], key_cache.shape[2], name))
-
-
-def _native_attention(q, key_cache, value_cache, md, scaling, sliding_window, softcap, sinks, prefill_native: bool):
-    """Decode rows through the native kernel, straight into the output; prefill rows through
-    the native prefill kernel (``prefill_native``) or torch."""
-    import torch
-
-    from kvpage.kernels import native_cpu
-
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    if not key_cache.is_contiguous() or not value_cache.is_contiguous():
-        raise ValueError("the native attention kernels need contiguous CPU caches")
-    result = torch.empty(q.shape, dtype=q.dtype)
-    lib, name, num_threads = native_cpu.library(), _dtype_name(q.dtype), _torch_threads()
-    sinks_np = _sinks_f32(sinks)
-    window, cap = int(sliding_window or 0), float(softcap or 0.0)
-    if md.num_decodes:
-        native_cpu.decode_attention(lib, name, q.data_ptr(), q.stride()[:2], key_cache.data_ptr(),
-                                    value_cache.data_ptr(), tuple(key_cache.shape), q.shape[1], md.block_tables,
-                                    md.seq_lens, md.num_decodes, scaling, window, cap, sinks_np, result.data_ptr(),
-                                    md.decode_splits(num_threads, key_cache.shape[1]), num_threads)
-    if md.num_decodes < md.seq_lens.shape[0]:
-        if prefill_native:
-            native_cpu.prefill_attention(lib, name, q.data_ptr(), q.stride()[:2], key_cache.data_ptr(),
-                                         value_cache.data_ptr(), tuple(key_cache.shape), q.shape[1], md.block_tables,
-                                         md.query_start_loc, md.seq_lens, md.num_decodes, scaling, window, cap,
-                                         sinks_np, result.data_ptr(), num_threads)
-        else:
-            _torch_prefill_into(result, q, key_cache, value_cache, md, scaling, sliding_window, softcap, sinks)
-    return result
-
-
-def _torch_prefill_into(result, q, key_cache, value_cache, md, scaling, sliding_window, softcap, sinks) -> None:
-    import torch
-
-    from kvpage.attention.torch_cpu import prefill_one_torch
-
-    sinks_t = None if sinks is None else torch.as_tensor(sinks, dtype=torch.float32)
-    tables = md.torch_index("block_tables")
-    bounds = md.query_start_loc.tolist()
-    for i, seq_len in enumerate(md.seq_lens.tolist()[md.num_decodes:], start=md.num_decodes):
-        start, end = bounds[i], bounds[i + 1]
-        if end > start:
-            result[start:end] = prefill_one_torch(q[start:end], key_cache, value_cache, seq_len, tables[i], scaling,
-                                                  sliding_window, softcap, sinks_t)
-
-
-def _cache_views(key_cache, value_cache):
-    """Zero-copy numpy views of torch caches for numba: fp32 as is, fp16/bf16 as uint16 bits."""
-    if key_cache.device.type != "cpu" or not key_cache.is_contiguous() or not value_cache.is_contiguous():
-        raise ValueError("numba backend needs contiguous CPU caches")
-    name = _dtype_name(key_cache.dtype)
-    if name is None:
-        raise ValueError(f"unsupported cache dtype {key_cache.dtype}")
-    return _numba_view(key_cache), _numba_view(value_cache), name
-
-
-#: Torch dtypes the native and numba kernels read, by the name they take (``cache_dtype``).
-_KERNEL_DTYPES = {"torch.float32": "float32", "torch.float16": "float16", "torch.bfloat16": "bfloat16"}
-
-
-def _dtype_name(dtype) -> Optional[str]:
-    """``dtype``'s name in :data:`_KERNEL_DTYPES`, or None for a dtype no kernel reads."""
-    return _KERNEL_DTYPES.get(str(dtype))
-
-
-def _numba_view(t):
-    """A contiguous CPU tensor as numba sees it: fp32 as is, 16-bit floats as uint16 bits."""
-    import torch
-
-    return (t if t.dtype == torch.float32 else t.view(torch.uint16)).numpy()
-
-
-def write_kv_cpu(key_cache, value_cache, k, v, slot_mapping=None, *,
-                 metadata: Optional[CPUAttentionMetadata] = None) -> None:
-    """The contract's ``write_kv`` on CPU (torch tensors or numpy arrays), in place.
-
-    Slots come from ``slot_mapping`` or ``metadata.slot_mapping``. Contiguous torch caches
-    take the native row store, else numba's when numba is there, else ``index_copy_``.
-    """
-    if slot_mapping is None:
-        if metadata is None or metadata.slot_mapping is None:
-            raise ValueError("pass slot_mapping, or metadata built with slot_mapping")
-        slot_mapping = metadata.slot_mapping
-    if _is_torch(key_cache):
-        if _row_storable(key_cache, value_cache):
-            slots = _to_numpy(slot_mapping, np.int64)
-            if slots.shape[0] != k.shape[0] or slots.shape[0] != v.shape[0]:
-                raise ValueError(f"slot_mapping has {slots.shape[0]} slots for {k.shape[0]} K and {v.shape[0]} V rows")
-            if _store_native(key_cache, value_cache, k, v, slots):
-                return
-            if _numba_available():
-                _store_numba(key_cache, value_cache, k, v, slots)
-                return
-        from kvpage.attention.torch_cpu import write_kv_torch
-
-        write_kv_torch(key_cache, value_cache, k, v, slot_mapping)
-    else:
-        from kvpage.attention.reference import write_kv_reference
-
-        write_kv_reference(key_cache, value_cache, k, v, slot_mapping)
-
-
-def _row_storable(key_cache, value_cache) -> bool:
-    """Contiguous CPU caches of one dtype the row stores (native, numba) write."""
-    return (key_cache.device.type == "cpu" and key_cache.dtype == value_cache.dtype
-            and _dtype_name(key_cache.dtype) is not None and key_cache.is_contiguous() and value_cache.is_contiguous())
-
-
-def _store_native(key_cache, value_cache, k, v, slots: np.ndarray) -> bool:
-    """The native row store (``slots`` int64, already checked against the row counts);
-    False, nothing written, where the library is unavailable."""
-    from kvpage.kernels import native_cpu
-
-    lib = native_cpu.library()
-    if lib is None:
-        return False
-    for cache, rows in ((key_cache, k), (value_cache, v)):
-        rows = rows.to(cache.dtype)
-        if rows.shape[1:] != cache.shape[2:]:
-            raise ValueError(f"K/V rows of shape {tuple(rows.shape[1:])} do not fit cache rows "
-                             f"{tuple(cache.shape[2:])}")
-        if rows.stride(2) != 1:
-            rows = rows.contiguous()
-        native_cpu.store_rows(lib, cache.data_ptr(), tuple(cache.shape), cache.element_size(), rows.data_ptr(),
-                              rows.stride()[:2], slots)
-    return True
-
-
-def _store_numba(key_cache, value_cache, k, v, slots: np.ndarray) -> None:
-    from kvpage.attention.numba_cpu import store_kv_numba
-
-    rows = [_numba_view(x.to(key_cache.dtype).contiguous()) for x in (k, v)]
-    store_kv_numba(_numba_view(key_cache), _numba_view(value_cache), *rows, slots)

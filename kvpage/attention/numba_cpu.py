@@ -2,13 +2,13 @@
 
 Contract: the one in :mod:`kvpage.attention` (same masks, softcap, sinks, GQA rule as
 :func:`~kvpage.attention.reference.paged_attention_reference`). Inputs are numpy arrays;
-torch CPU tensors are viewed zero-copy by :mod:`kvpage.attention.cpu`.
+torch CPU tensors are viewed zero-copy by :mod:`kvpage.attention.cpu_kernels`.
 
-Two kernels (the dispatcher feeds both from one precomputed step metadata):
+Two kernels (the CPU kernels feed both from one precomputed step metadata):
   * decode (the leading query-length-1 sequences): :mod:`kvpage.kernels.numba_decode`.
   * tiled (prefill, chunked prefill, prefix hits): one work item = (tile of up to
-    ``PREFILL_TILE`` query rows of one sequence, KV head). Per KV block the K rows are
-    copied (and converted) into an fp32 ``[head_dim, block_size]`` scratch, so the q.k loop
+    ``cpu_metadata.PREFILL_TILE`` query rows of one sequence, KV head). Per KV block the K
+    rows are copied (and converted) into an fp32 ``[head_dim, block_size]`` scratch, so the q.k loop
     vectorizes over the block's tokens and sums ``head_dim`` in order (no fastmath).
   Both use an online (streaming) softmax in fp32, one running max / denominator per row.
   Cache dtypes: float32 is read directly; float16 and bfloat16 caches are passed as
@@ -27,12 +27,9 @@ import numpy as np
 from numba import get_num_threads, njit, prange, types
 from numba.extending import overload
 
-from kvpage.attention.cpu import decodes_of
+from kvpage.attention.cpu_metadata import build_work_tiles, decodes_of
 from kvpage.kernels.numba_decode import run_decode
 from kvpage.kernels.numba_math import MODE_BF16, MODE_F16, MODE_F32
-
-#: Query rows per prefill work item. Decode sequences are always a tile of one row.
-PREFILL_TILE = 16
 
 # float16 bit pattern -> float32 value; exact (every float16 is representable in float32).
 _FP16_TABLE = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
@@ -178,22 +175,6 @@ def _paged_attention_kernel(q, kc, vc, block_tables, query_start_loc, seq_lens, 
                      scale, window, softcap, sinks, mode, table, out)
 
 
-def build_work_tiles(query_start_loc: np.ndarray, first_seq: int = 0, tile: int = PREFILL_TILE) -> np.ndarray:
-    """Split the query rows of sequences ``first_seq:`` into tiles of at most ``tile`` rows.
-
-    Returns int32 ``[W, 3]`` rows ``(seq, row_start, row_end)`` (rows relative to the
-    sequence's first query). Empty sequences get no tile. Vectorized, no per-token loop.
-    """
-    qsl = np.asarray(query_start_loc, dtype=np.int64)
-    q_lens = np.diff(qsl)[first_seq:]
-    n_tiles = -(-q_lens // tile)
-    seq = np.repeat(np.arange(q_lens.shape[0], dtype=np.int64), n_tiles)
-    first_tile = np.cumsum(n_tiles) - n_tiles
-    start = (np.arange(seq.shape[0], dtype=np.int64) - first_tile[seq]) * tile
-    end = np.minimum(start + tile, q_lens[seq])
-    return np.ascontiguousarray(np.stack([seq + first_seq, start, end], axis=1).astype(np.int32))
-
-
 def cache_mode(cache: np.ndarray, logical_dtype: str) -> tuple[int, np.ndarray]:
     """(mode, table) for a cache array: float32 direct, float16/bfloat16 as uint16 bits."""
     if logical_dtype == "float32" and cache.dtype == np.float32:
@@ -221,7 +202,7 @@ def paged_attention_numba(
     the bits mean. Index arrays are used as int32 (converted if needed).
     The leading ``num_decodes`` sequences (default: the leading run with query length 1)
     take the decode kernel, the rest the tiled kernel over ``work``
-    (default ``build_work_tiles(query_start_loc, num_decodes)``); the dispatcher passes
+    (default ``build_work_tiles(query_start_loc, num_decodes)``); the CPU kernels pass
     both precomputed once per step.
     """
     if key_cache.dtype == np.float16:

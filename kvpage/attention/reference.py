@@ -55,6 +55,7 @@ def paged_attention_reference(
     attention_chunk: Optional[int] = None,
     alibi_slopes: Optional[np.ndarray] = None,
 ) -> np.ndarray:
+    """The contract's ``paged_attention`` by the semantics above; ``[T, H, D_v]`` in q's dtype."""
     num_tokens, num_heads, head_dim = q.shape
     for cache in (key_cache, value_cache):
         if num_heads % cache.shape[2]:
@@ -77,21 +78,33 @@ def paged_attention_reference(
         if alibi_slopes is not None:
             slopes = np.asarray(alibi_slopes, dtype=np.float32).reshape(num_heads, 1, 1)
             scores = scores + slopes * np.arange(seq_len, dtype=np.float32)[None, None, :]
-        q_pos = np.arange(seq_len - (end - start), seq_len)[:, None]
-        k_pos = np.arange(seq_len)[None, :]
-        allowed = k_pos <= q_pos
-        if sliding_window:
-            allowed &= k_pos > q_pos - sliding_window
-        if attention_chunk:
-            allowed &= k_pos >= q_pos // attention_chunk * attention_chunk
-        scores = np.where(allowed[None], scores, -np.inf)
-        row_max = scores.max(axis=-1, keepdims=True)
-        if sinks is not None:
-            sink = np.asarray(sinks, dtype=np.float32).reshape(num_heads, 1, 1)
-            row_max = np.maximum(row_max, sink)
-        weights = np.exp(scores - row_max)
-        denom = weights.sum(axis=-1, keepdims=True)
-        if sinks is not None:
-            denom = denom + np.exp(sink - row_max)
-        out[start:end] = np.einsum("hqs,shd->qhd", weights / denom, values)
+        allowed = _allowed(end - start, seq_len, sliding_window, attention_chunk)
+        weights = _softmax_with_sinks(np.where(allowed[None], scores, -np.inf), sinks, num_heads)
+        out[start:end] = np.einsum("hqs,shd->qhd", weights, values)
     return out.astype(q.dtype)
+
+
+def _allowed(q_len: int, seq_len: int, sliding_window: Optional[int], attention_chunk: Optional[int]) -> np.ndarray:
+    """``[q_len, seq_len]``: key position j visible from each of the last ``q_len`` positions."""
+    q_pos = np.arange(seq_len - q_len, seq_len)[:, None]
+    k_pos = np.arange(seq_len)[None, :]
+    allowed = k_pos <= q_pos
+    if sliding_window:
+        allowed &= k_pos > q_pos - sliding_window
+    if attention_chunk:
+        allowed &= k_pos >= q_pos // attention_chunk * attention_chunk
+    return allowed
+
+
+def _softmax_with_sinks(scores: np.ndarray, sinks: Optional[np.ndarray], num_heads: int) -> np.ndarray:
+    """Softmax over the last axis of ``scores`` ``[H, Q, S]``; a head's sink adds ``exp(sink)``
+    to its denominator only."""
+    row_max = scores.max(axis=-1, keepdims=True)
+    if sinks is not None:
+        sink = np.asarray(sinks, dtype=np.float32).reshape(num_heads, 1, 1)
+        row_max = np.maximum(row_max, sink)
+    weights = np.exp(scores - row_max)
+    denom = weights.sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        denom = denom + np.exp(sink - row_max)
+    return weights / denom

@@ -15,9 +15,9 @@ Two paths:
   Softcap, sinks and ALiBi are not SDPA features here: those calls take an explicit fp32
   path (matmul, tanh, position bias, mask, softmax with the sink in the denominator).
 
-The gather copies the context once, so at decode this path is several times the
-no-paging bound (numbers in :mod:`kvpage.attention.cpu`): it is the decode fallback when
-numba is missing, and the default prefill path, where SDPA's blocked kernel wins.
+The gather copies the context once, so this path is several times slower than the
+native and numba kernels at decode: it serves K/V of different shapes, chunked attention
+and ALiBi, and is the fallback wherever those kernels cannot serve a layout.
 Slots past a sequence's length are masked, not skipped: they must hold finite values
 (true of a zero-initialized cache); the numba kernels never read them.
 """
@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kvpage.attention.cpu import decodes_of
+from kvpage.attention.cpu_metadata import decodes_of
 
 
 def as_long(index) -> torch.Tensor:

@@ -68,6 +68,11 @@ class AsyncLLM:
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    @property
+    def vocab_size(self) -> int:
+        """Token ids a prompt may hold: ``[0, vocab_size)``."""
+        return self.engine.vocab_size
+
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Abort everything in flight, stop the loop, join the thread and close the engine."""
         if self._thread is None:
@@ -111,8 +116,7 @@ class AsyncLLM:
         now = time.monotonic()
         while self._deadlines and self._deadlines[0][0] <= now:
             _, _, request_id, sink = heapq.heappop(self._deadlines)
-            state = self.engine.outputs.states.get(request_id)
-            if state is not None and state.sink is sink:  # not a later request reusing the id
+            if self.engine.sink_of(request_id) is sink:  # not a later request reusing the id
                 self.engine.abort_with_output(request_id, reason=FinishReason.LENGTH)
 
     def _drain_commands(self, block: bool) -> None:
@@ -213,11 +217,7 @@ class AsyncLLM:
     async def cached_block_hashes(self, max_blocks: Optional[int] = None) -> list[int]:
         """Chained hashes of the blocks in the prefix cache (``RadixCache.block_hashes``), read on the
         engine thread; empty without prefix caching."""
-        def read() -> list[int]:
-            cache = self.engine.scheduler.prefix_cache
-            return [] if cache is None else cache.block_hashes(max_blocks=max_blocks)
-
-        return await asyncio.wrap_future(self._call(read))
+        return await asyncio.wrap_future(self._call(self.engine.cached_block_hashes, max_blocks))
 
     async def fresh_stats(self) -> dict:
         """Statistics read on the engine thread right now."""

@@ -1,29 +1,36 @@
-"""Loads a Hugging Face model and assembles an ``LLMEngine`` around it: runner, KV buffers, sampler.
+"""The one place an engine is assembled: loads a Hugging Face model and builds an ``LLMEngine``
+around it (runner, KV buffers, scheduler, sampler, KV tiers, KV event publisher, thread governor).
 
 Every setting comes from one ``EngineConfig``; the KV storage's block size and the
-scheduler's are both taken from ``config.block_size``.
+scheduler's are both taken from ``config.block_size``. Every collaborator is handed to the
+engine's constructor.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple, Optional
+from typing import Any, Optional
 
 import torch
 
 from kvpage.core.config import EngineConfig
 from kvpage.core.kv.kv_groups import KVCacheGroups
 from kvpage.core.sched.scheduler import Scheduler
+from kvpage.engine.interfaces import KVEventPublisher
 from kvpage.engine.llm_engine import LLMEngine
-from kvpage.storage.kv_storage import KVCacheSpec, PagedKVCache, determine_num_blocks
+from kvpage.storage.paged_cache import PagedKVCache
+from kvpage.storage.sizing import determine_num_blocks
+from kvpage.storage.spec import KVCacheSpec
 from kvpage.platform.malloc_tuning import keep_freed_memory
 from kvpage.engine.sampler import Sampler
 from kvpage.platform.thread_governor import governor_for, governor_wanted
 from kvpage.platform.threads import configure_threads, set_compute_threads
-from kvpage.storage.tiers import attach_kv_tiers
+from kvpage.storage.tiers import open_kv_tiers
 
 from kvpage.adapters.attention_backends import select_backend
+from kvpage.adapters.families import exact_length_limit
 from kvpage.adapters.hf_runner import HFModelRunner, UnsupportedModelError
 
 log = logging.getLogger("kvpage")
@@ -196,9 +203,19 @@ def vocab_size(model: torch.nn.Module) -> int:
     return int(embeddings.weight.shape[0]) if embeddings is not None else int(model.config.vocab_size)
 
 
-def build_hf_engine(model: torch.nn.Module, tokenizer: Any, config: EngineConfig) -> LLMEngine:
-    """Switch ``model`` to kvpage attention and return an engine bound to it. If that fails
-    (a ``ValueError`` naming the reason), the model keeps its own attention."""
+@dataclass(frozen=True, slots=True)
+class BuiltEngine:
+    """An assembled engine and the Hugging Face runner it drives (device, attention backend,
+    KV buffers, ``restore``), which the front ends report on and hand the model back through."""
+
+    engine: LLMEngine
+    runner: HFModelRunner
+
+
+def build_hf_engine(model: torch.nn.Module, tokenizer: Any, config: EngineConfig) -> BuiltEngine:
+    """Switch ``model`` to kvpage attention and return an engine bound to it, with every
+    collaborator the config asks for (KV tiers, KV event publisher, thread governor). If
+    that fails (a ``ValueError`` naming the reason), the model keeps its own attention."""
     num_threads = configure_threads(config.num_threads)
     runner = HFModelRunner(model, onednn_linears=config.onednn_linears)
     if runner.device.type == "cpu":
@@ -209,15 +226,41 @@ def build_hf_engine(model: torch.nn.Module, tokenizer: Any, config: EngineConfig
     governed = runner.device.type == "cpu" and governor_wanted(config.num_threads, num_threads)
     fallback_threads = (num_threads - 1,) if governed else ()
     try:
-        engine = _assemble(runner, model, tokenizer, config, fallback_threads)
-        if runner.device.type == "cpu":
-            engine.compute_threads = num_threads
-            counts = None if runner.compiled is None else (num_threads, *fallback_threads)
-            engine.thread_governor = governor_for(config.num_threads, num_threads, set_compute_threads, counts)
-        return engine
+        max_model_len = resolve_max_model_len(model, config)
+        config = stateful_config(runner, config)
+        spec, scheduler = _bind_kv_cache(runner, config, max_model_len)
+        _compile(runner, config, fallback_threads)
+        kv_tiers = open_kv_tiers(scheduler.tiers, config, spec, runner.kv_cache, model)
+        publisher = _kv_event_publisher(config, scheduler)
+        threads = _engine_threads(runner, config, num_threads, fallback_threads)
+        eos = eos_token_ids(model, tokenizer)
+        engine = LLMEngine(runner, Sampler(config.seed, eos_token_ids=eos), tokenizer, scheduler, vocab_size(model),
+                           eos, kv_tiers=kv_tiers, kv_event_publisher=publisher, **threads)
+        return BuiltEngine(engine, runner)
     except BaseException:
         runner.restore()
         raise
+
+
+def _engine_threads(runner: HFModelRunner, config: EngineConfig, num_threads: int,
+                    fallback_threads: tuple) -> dict:
+    """A CPU engine's ``compute_threads`` and ``thread_governor`` (nothing on a GPU). Made
+    after compilation: the governor's first look may lower the count at once."""
+    if runner.device.type != "cpu":
+        return {}
+    counts = None if runner.compiled is None else (num_threads, *fallback_threads)
+    return {"compute_threads": num_threads,
+            "thread_governor": governor_for(config.num_threads, num_threads, set_compute_threads, counts)}
+
+
+def _kv_event_publisher(config: EngineConfig, scheduler: Scheduler) -> Optional[KVEventPublisher]:
+    """A started publisher when the config publishes KV events; its first batch lists what
+    the disk tier restored (so open the tiers first)."""
+    if config.kv_events_config is None or not config.kv_events_config.publishes:
+        return None
+    from kvpage.engine.kv_events_publisher import open_publisher  # msgspec and pyzmq: the events extra
+
+    return open_publisher(config.kv_events_config, scheduler.take_kv_events())
 
 
 def stateful_config(runner: HFModelRunner, config: EngineConfig) -> EngineConfig:
@@ -242,38 +285,10 @@ def stateful_config(runner: HFModelRunner, config: EngineConfig) -> EngineConfig
     return dataclasses.replace(config, **changes) if changes else config
 
 
-class ExactLengthLimit(NamedTuple):
-    tokens: int
-    why: str  # a sentence ending in the limit
-    bounds_steps: bool  # a step's rows count too, not only a sequence's length
-
-
-def exact_length_limit(model: torch.nn.Module) -> Optional[ExactLengthLimit]:
-    """The tokens up to which kvpage runs this model exactly, and why, or None when its
-    length is not limited so.
-
-    - Attention temperature tuning (Llama 4's NoPE layers scale queries by
-      ``log1p(floor((p + 1) / floor_scale))``): those layers number positions from their own
-      cache length, not ``position_ids``; in a kvpage step that is the row index. Below
-      ``floor_scale - 1`` both give a scale of 1.
-    - Doge's dynamic mask keeps only the ``keep_window_size`` keys of highest bias once a
-      sequence is longer than that (its port carries the bias, densely)."""
-    config = model.config.get_text_config()
-    floor_scale = getattr(config, "floor_scale", None)
-    if getattr(config, "attn_temperature_tuning", False) and floor_scale \
-            and not all(getattr(config, "no_rope_layers", None) or [True]):  # all rotary: nothing is tuned
-        tokens = int(floor_scale) - 1
-        return ExactLengthLimit(tokens, "this model's attention temperature tuning counts positions itself; kvpage "
-                                f"serves it exactly up to {tokens} tokens (floor_scale - 1)", True)
-    if getattr(config, "model_type", None) == "doge" and getattr(config, "keep_window_size", None):
-        tokens = int(config.keep_window_size)
-        return ExactLengthLimit(tokens, "Doge's dynamic mask keeps only the keep_window_size keys of highest bias "
-                                f"in longer sequences; kvpage serves it exactly up to {tokens} tokens", False)
-    return None
-
-
-def _assemble(runner: HFModelRunner, model: torch.nn.Module, tokenizer: Any, config: EngineConfig,
-              other_thread_counts: tuple = ()) -> LLMEngine:
+def resolve_max_model_len(model: torch.nn.Module, config: EngineConfig) -> int:
+    """``config.max_model_len`` (default: the model's positions), checked against the model's
+    positions and, where kvpage serves the model exactly only up to some length, lowered to
+    it (logged) or refused."""
     limit = model_max_len(model)
     max_model_len = config.max_model_len or limit
     if max_model_len > limit:
@@ -288,7 +303,12 @@ def _assemble(runner: HFModelRunner, model: torch.nn.Module, tokenizer: Any, con
             raise ValueError(f"{why}: set max_model_len to at most {tokens}")
         if bounds_steps and config.step_token_budget(max_model_len) > tokens:
             raise ValueError(f"{why}: set max_model_len and max_num_batched_tokens to at most {tokens}")
-    config = stateful_config(runner, config)
+    return max_model_len
+
+
+def _bind_kv_cache(runner: HFModelRunner, config: EngineConfig, max_model_len: int) -> tuple[KVCacheSpec, Scheduler]:
+    """Size the KV cache, allocate it (and any recurrent state slots), bind it and the
+    attention backend to ``runner``; returns the KV spec and a scheduler over those blocks."""
     num_state_slots = config.max_num_seqs if runner.state_layout else 0
     if num_state_slots:  # before the KV is sized, so that a GPU profile counts the slots as used memory
         state_bytes = runner.allocate_state_slots(num_state_slots)
@@ -306,16 +326,14 @@ def _assemble(runner: HFModelRunner, model: torch.nn.Module, tokenizer: Any, con
     scheduler = Scheduler(cache_config, config.scheduler_config(max_model_len))
     storage = "cupy" if runner.device.type == "cuda" else "torch"
     runner.bind(PagedKVCache(spec, cache_config.num_blocks, backend=storage, groups=groups), backend)
-    if not config.enforce_eager:
-        if runner.eager_reason is not None:
-            log.info("compilation off: %s", runner.eager_reason)
-        else:
-            runner.compile(config.max_num_seqs, other_thread_counts)
-    eos = eos_token_ids(model, tokenizer)
-    engine = LLMEngine(runner, Sampler(config.seed, eos_token_ids=eos), tokenizer, scheduler, vocab_size(model), eos)
-    attach_kv_tiers(engine, config, spec, runner.kv_cache, model)
-    if config.kv_events_config is not None and config.kv_events_config.publishes:
-        from kvpage.engine.kv_events_publisher import attach_kv_events  # msgspec and pyzmq: the events extra
+    return spec, scheduler
 
-        attach_kv_events(engine, config)
-    return engine
+
+def _compile(runner: HFModelRunner, config: EngineConfig, other_thread_counts: tuple) -> None:
+    """Compile the forward unless the config or the model rules it out (logged)."""
+    if config.enforce_eager:
+        return
+    if runner.eager_reason is not None:
+        log.info("compilation off: %s", runner.eager_reason)
+    else:
+        runner.compile(config.max_num_seqs, other_thread_counts)

@@ -1,7 +1,10 @@
-"""The contracts between the engine and what it drives: a model runner and a sampler.
+"""The contracts between the engine and what it drives: a model runner, a sampler, and the
+optional KV tier agent and KV event publisher.
 
 The engine is written against these Protocols only, so it imports no tensor library;
-``kvpage.adapters`` (Hugging Face, torch) and ``kvpage.engine.sampler`` (torch) implement them.
+``kvpage.adapters`` (Hugging Face, torch) and ``kvpage.engine.sampler`` (torch) implement the
+first two, ``kvpage.storage.tiers.agent.KVTierAgent`` (torch) and
+``kvpage.engine.kv_events_publisher.ZmqEventPublisher`` (pyzmq) the others.
 ``Logits`` is whatever array type the runner produces and its sampler consumes
 (a float32 ``torch.Tensor`` ``[S, vocab]`` for the HF runner); the engine only slices it.
 """
@@ -12,8 +15,11 @@ from typing import Any, Optional, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
-from kvpage.core.sched.metadata import StepMetadata
+from kvpage.core.block_hash import BlockHash
+from kvpage.core.kv_events import KVCacheEvent
+from kvpage.core.offload.kv_transfers import DiskOp, KVTransfers
 from kvpage.core.request import Request
+from kvpage.core.sched.metadata import StepMetadata
 
 Logits = Any  # a 2-D array [S + R, vocab]: row j belongs to StepMetadata.logits_indices[j]
 
@@ -84,3 +90,55 @@ def check_logits_shape(logits: Logits, num_rows: int) -> Optional[str]:
     if len(shape) != 2 or shape[0] != num_rows:
         return f"the runner returned logits of shape {shape}; expected ({num_rows}, vocab)"
     return None
+
+
+@runtime_checkable
+class KVTierAgent(Protocol):
+    """Moves the bytes of the lower KV tiers (host memory, disk) for the scheduler's plans."""
+
+    def before_step(self, transfers: Optional[KVTransfers]) -> None:
+        """Run the step's copies between the pool and the host tier; start its disk reads.
+        Raises when a copy fails (the engine then fails the step)."""
+        ...
+
+    def save(self, ops: Sequence[DiskOp]) -> None:
+        """Snapshot the blocks of ``ops`` now and write them to disk in the background."""
+        ...
+
+    def poll(self) -> tuple[list[tuple[BlockHash, bool]], list[BlockHash]]:
+        """(finished disk reads ``(hash, ok)``, hashes whose disk writes failed) since the last call."""
+        ...
+
+    def wait(self, timeout_s: float) -> None:
+        """Block up to ``timeout_s`` seconds for a disk read to finish."""
+        ...
+
+    def clear_disk(self, hashes: Sequence[BlockHash]) -> None:
+        """Delete these blocks' files."""
+        ...
+
+    def close(self) -> None:
+        """Finish queued writes and stop the I/O threads (idempotent)."""
+        ...
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait up to ``timeout_s`` seconds for the queued disk I/O; True when it all finished."""
+        ...
+
+    def stats(self) -> dict:
+        ...
+
+
+@runtime_checkable
+class KVEventPublisher(Protocol):
+    """Sends the scheduler's KV cache events to subscribers (a router), best effort."""
+
+    num_published: int
+    num_dropped: int
+
+    def publish(self, events: list[KVCacheEvent]) -> None:
+        """Queue one batch; never blocks the step (a full queue drops and counts it)."""
+        ...
+
+    def close(self) -> None:
+        ...

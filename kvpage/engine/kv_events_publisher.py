@@ -20,7 +20,7 @@ import queue
 import threading
 import time
 from collections import deque
-from typing import Any, Optional, Union
+from typing import Optional, Sequence, Union
 
 import msgspec
 
@@ -161,15 +161,15 @@ class ZmqEventPublisher:
         self._replay.send_multipart((identity, b"", END_SEQ, b""))
 
 
-def attach_kv_events(engine: Any, config: Any) -> None:
-    """Give ``engine`` a publisher for ``config.kv_events_config`` (a no-op unless it publishes).
+def open_publisher(events_config: Optional[KVEventsConfig],
+                   restored: Sequence[core_events.KVCacheEvent] = ()) -> Optional[ZmqEventPublisher]:
+    """A started publisher for ``events_config`` (None unless it publishes).
 
-    The first batch says ``AllBlocksCleared`` (whatever a router knew of an earlier run is
-    gone), then lists what the disk tier brought back.
+    Its first batch says ``AllBlocksCleared`` (whatever a router knew of an earlier run is
+    gone), then ``restored``: the events of what the disk tier brought back.
     """
-    events_config = getattr(config, "kv_events_config", None)
     if events_config is None or not events_config.publishes:
-        return
+        return None
     publisher = ZmqEventPublisher(events_config)
-    publisher.publish([core_events.AllBlocksCleared()] + engine.scheduler.take_kv_events())
-    engine.kv_event_publisher = publisher
+    publisher.publish([core_events.AllBlocksCleared(), *restored])
+    return publisher

@@ -1,15 +1,17 @@
 """The synchronous engine: scheduler -> model runner -> sampler -> output processor, one step at a time.
 
-``LLMEngine`` is written against ``kvpage.engine.interfaces`` only (a ``ModelRunner`` and a
-``Sampler``), so it imports no tensor library. Ownership: the ``Scheduler`` owns each
-sequence's scheduling state and tokens; the ``OutputProcessor`` owns everything the user
-sees. A fault in one step fails only that step's requests (``finish_reason == "error"``);
-everything else keeps running.
+``LLMEngine`` is written against ``kvpage.engine.interfaces`` only (a ``ModelRunner``, a
+``Sampler`` and the optional ``KVTierAgent`` and ``KVEventPublisher``), so it imports no
+tensor library; every collaborator arrives in the constructor (``kvpage.engine.builder``
+assembles a Hugging Face engine). Ownership: the ``Scheduler`` owns each sequence's
+scheduling state and tokens; the ``OutputProcessor`` owns everything the user sees. A fault
+in one step fails only that step's requests (``finish_reason == "error"``); everything
+else keeps running.
 
-With lower KV tiers the engine also drives ``kv_tiers`` (``kvpage.storage.tiers.KVTierAgent``):
-each step it reports finished disk reads and failed writes to the scheduler, runs the
-step's tier copies before the forward, and after a successful step hands over the disk
-writes. With a ``kv_event_publisher`` each step's KV events go out as one batch.
+With lower KV tiers the engine drives ``kv_tiers`` through ``TierSteps``: each step it
+reports finished disk reads and failed writes to the scheduler, runs the step's tier copies
+before the forward, and after a successful step hands over the disk writes. With a
+``kv_event_publisher`` each step's KV events go out as one batch.
 """
 from __future__ import annotations
 
@@ -20,19 +22,35 @@ from kvpage.core.request import FinishReason, Request, sample_request_id
 from kvpage.core.sampling_params import SamplingParams
 from kvpage.core.sched.output import SchedulerOutput
 from kvpage.core.sched.scheduler import Scheduler
-from kvpage.engine.interfaces import ModelRunner, SampleResult, Sampler, check_logits_shape
+from kvpage.engine.interfaces import (KVEventPublisher, KVTierAgent, Logits, ModelRunner, SampleResult, Sampler,
+                                      check_logits_shape)
 from kvpage.engine.output_processor import OutputProcessor, OutputSink, sequence_ids
 from kvpage.engine.outputs import RequestOutput, StreamDelta
 from kvpage.engine.prompts import Prompt, PromptEncoder, with_eos_stops
 from kvpage.engine.step_stats import StepStats
+from kvpage.engine.tier_steps import TierSteps
+from kvpage.platform.thread_governor import ThreadGovernor
+from kvpage.platform.threads import set_compute_threads
 
 #: Called with every non-empty step's ``SchedulerOutput`` before the model runs it.
 StepObserver = Callable[[SchedulerOutput], None]
 
 
 class LLMEngine:
+    """One model's engine.
+
+    ``kv_tiers``: the agent for the scheduler's lower KV tiers (required exactly when the
+    scheduler has them). ``kv_event_publisher``: where each step's KV events go.
+    ``compute_threads``: a CPU engine's configured thread count, and ``thread_governor`` the
+    governor that lowers it while other processes keep the CPUs busy (None: fixed).
+    """
+
     def __init__(self, runner: ModelRunner, sampler: Sampler, tokenizer: Any, scheduler: Scheduler,
-                 vocab_size: int, eos_token_ids: Sequence[int] = ()) -> None:
+                 vocab_size: int, eos_token_ids: Sequence[int] = (), *, kv_tiers: Optional[KVTierAgent] = None,
+                 kv_event_publisher: Optional[KVEventPublisher] = None, compute_threads: Optional[int] = None,
+                 thread_governor: Optional[ThreadGovernor] = None) -> None:
+        if (kv_tiers is None) != (scheduler.tiers is None):
+            raise ValueError("an engine needs a KV tier agent exactly when its scheduler has lower KV tiers")
         self.runner = runner
         self.sampler = sampler
         self.scheduler = scheduler
@@ -44,23 +62,41 @@ class LLMEngine:
         self.num_step_errors = 0
         self.num_prompt_tokens = 0  # tokens of accepted prompts
         self._ids = itertools.count()
-        self.kv_tiers: Optional[Any] = None  # a KVTierAgent, attached by kvpage.storage.tiers.attach_kv_tiers
-        self.kv_event_publisher: Optional[Any] = None  # attached by kv_events_publisher.attach_kv_events
-        self.thread_governor: Optional[Any] = None  # a thread_governor.ThreadGovernor, set by the builder
-        self.compute_threads: Optional[int] = None  # CPU runners: the count the builder configured
+        self.kv_tiers = kv_tiers
+        self._tiers = TierSteps(kv_tiers, scheduler.tiers) if kv_tiers is not None else None
+        self.kv_event_publisher = kv_event_publisher
+        self.compute_threads = compute_threads
+        self.thread_governor = thread_governor
 
     def adopt_current_thread(self) -> None:
         """Call in a thread that is about to run ``step`` after another thread built or
         stepped the engine: gives this thread the engine's compute-thread count (numba keeps
         its count per thread). The thread handing over calls ``threads.release_thread_pools``."""
         if self.compute_threads is not None:
-            from kvpage.platform.threads import set_compute_threads
-
             set_compute_threads(self.thread_governor.current if self.thread_governor else self.compute_threads)
 
     @property
     def tokenizer(self) -> Any:
         return self.prompts.tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids a prompt may hold: ``[0, vocab_size)``."""
+        return self.prompts.vocab_size
+
+    @property
+    def max_model_len(self) -> int:
+        """Tokens a sequence may reach, prompt and output together."""
+        return self.scheduler.config.max_model_len
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per KV block."""
+        return self.scheduler.block_size
+
+    def add_step_observer(self, observer: StepObserver) -> None:
+        """Call ``observer`` with every non-empty step's ``SchedulerOutput`` before the model runs it."""
+        self.step_observers.append(observer)
 
     # ------------------------------------------------------------------ intake and control
     def add_request(self, prompt: Prompt, params: Optional[SamplingParams] = None, request_id: Optional[str] = None,
@@ -117,6 +153,11 @@ class LLMEngine:
     def has_request(self, request_id: str) -> bool:
         return request_id in self.outputs.states
 
+    def sink_of(self, request_id: str) -> Optional[OutputSink]:
+        """The sink of live request ``request_id`` (None when it has none or is not live)."""
+        state = self.outputs.states.get(request_id)
+        return None if state is None else state.sink
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.outputs.states)
 
@@ -129,24 +170,29 @@ class LLMEngine:
         """Run one scheduled step; return a delta for every sample that changed."""
         if self.thread_governor is not None:
             self.thread_governor.tick()  # in the thread that runs the forward: the counts are per thread
-        self._report_tier_results()
+        if self._tiers is not None:
+            self._tiers.report_results()
         output = self.scheduler.schedule()
         if output.is_empty:
-            if self.kv_tiers is not None:
-                try:
-                    self.kv_tiers.before_step(output.kv_transfers)  # disk reads for parked requests
-                except Exception:  # noqa: BLE001 - no request read these copies: forget them
-                    self.scheduler.tiers.discard_transfers(output)
-                if self.scheduler.fetch_waits:
-                    self.kv_tiers.wait(0.05)  # only disk reads can make progress: do not spin
-            self._publish_kv_events()
-            return []
+            if self._tiers is not None:
+                self._tiers.idle(output)  # disk reads for parked requests
+            deltas: list[StreamDelta] = []
+        else:
+            logits, deltas = self._execute(output)
+            if logits is not None:
+                deltas = self._postprocess(output, logits)
+        self._publish_kv_events()
+        return deltas
+
+    def _execute(self, output: SchedulerOutput) -> tuple[Optional[Logits], list[StreamDelta]]:
+        """The step's tier copies and forward: (logits, []), or (None, the deltas of the
+        requests it failed) when either raised or the runner returned the wrong shape."""
         for observe in self.step_observers:
             observe(output)
         copied = False
         try:
-            if self.kv_tiers is not None:
-                self.kv_tiers.before_step(output.kv_transfers)
+            if self._tiers is not None:
+                self._tiers.copy_in(output)
             copied = True
             logits = self.runner.execute(output.metadata)
             problem = check_logits_shape(logits, len(output.metadata.logits_indices))
@@ -156,11 +202,14 @@ class LLMEngine:
             self.num_step_errors += 1
             deltas = self._fail(output.requests, f"model step failed: {type(exc).__name__}: {exc}")
             self.scheduler.discard_step_cache(output)  # its KV was never (fully) written
-            if not copied:
-                self.scheduler.tiers.discard_transfers(output)
+            if not copied and self._tiers is not None:
+                self._tiers.discard(output)
             self.outputs.close_finished()
-            self._publish_kv_events()
-            return deltas
+            return None, deltas
+        return logits, []
+
+    def _postprocess(self, output: SchedulerOutput, logits: Logits) -> list[StreamDelta]:
+        """Sample, advance the scheduler and turn the new tokens into deltas."""
         rows = output.sampled_requests
         result, errors = self._sample(logits[: len(rows)], rows)  # sampled rows first, then prompt rows
         if output.metadata.num_prompt_logits_rows:
@@ -175,18 +224,9 @@ class LLMEngine:
         deltas += self.outputs.process_step(output, result, set(errors))
         self.scheduler.finish_requests(self.outputs.take_stopped(), FinishReason.STOP)  # all stop strings at once
         self.outputs.close_finished()
-        if self.kv_tiers is not None:
-            # Before the next schedule can reuse the blocks: the agent snapshots them now.
-            self.kv_tiers.save(self.scheduler.tiers.take_saves(output))
-        self._publish_kv_events()
+        if self._tiers is not None:
+            self._tiers.save(output)  # before the next schedule can reuse the blocks: the agent snapshots them now
         return deltas
-
-    def _report_tier_results(self) -> None:
-        if self.kv_tiers is None:
-            return
-        fetched, failed_saves = self.kv_tiers.poll()
-        self.scheduler.tiers.complete_saves(failed_saves)
-        self.scheduler.tiers.complete_fetches(fetched)  # also times out requests waiting too long
 
     def _publish_kv_events(self) -> None:
         events = self.scheduler.take_kv_events()
@@ -197,9 +237,14 @@ class LLMEngine:
         """Empty every KV tier (pool cache, host, disk files). Raises ``ValueError`` while
         any cached block is in use."""
         dropped = self.scheduler.reset_prefix_cache()
-        if self.kv_tiers is not None:
-            self.kv_tiers.clear_disk(dropped)
+        if self._tiers is not None:
+            self._tiers.clear(dropped)
         self._publish_kv_events()
+
+    def flush_kv_tiers(self, timeout_s: float = 30.0) -> bool:
+        """Wait up to ``timeout_s`` seconds for the disk tier's queued reads and writes; True
+        when they all finished (also without tiers)."""
+        return self.kv_tiers.flush(timeout_s) if self.kv_tiers is not None else True
 
     def close(self) -> None:
         """Finish the disk tier's queued writes and stop the background threads (idempotent)."""
@@ -208,7 +253,7 @@ class LLMEngine:
         if self.kv_event_publisher is not None:
             self.kv_event_publisher.close()
 
-    def _sample(self, logits: Any, rows: list[Request]) -> tuple[SampleResult, dict[int, str]]:
+    def _sample(self, logits: Logits, rows: list[Request]) -> tuple[SampleResult, dict[int, str]]:
         """Sample every row; returns (result, {row: why it failed}). If the sampler raises,
         rows are retried one by one so that only the rows it cannot draw fail."""
         try:
@@ -226,7 +271,7 @@ class LLMEngine:
         errors.update({j: "the model produced non-finite logits" for j in result.invalid_rows})
         return result, errors
 
-    def _prompt_logprobs(self, output: SchedulerOutput, logits: Any) -> None:
+    def _prompt_logprobs(self, output: SchedulerOutput, logits: Logits) -> None:
         """Log-probabilities of the prompt tokens this step computed, for requests that ask."""
         requests, metadata = output.prompt_logits_requests, output.metadata
         entries = self.sampler.prompt_logprobs(logits, metadata.prompt_logits_token_ids,
@@ -238,6 +283,25 @@ class LLMEngine:
         return self.outputs.fail(live, message)
 
     # ------------------------------------------------------------------ observability
+    def cached_block_hashes(self, max_blocks: Optional[int] = None) -> list[int]:
+        """Chained hashes of the blocks in the prefix cache (``RadixCache.block_hashes``);
+        empty without prefix caching."""
+        cache = self.scheduler.prefix_cache
+        return [] if cache is None else cache.block_hashes(max_blocks=max_blocks)
+
+    @property
+    def kv_fragmentation(self) -> float:
+        """Fraction of token slots in the pool's referenced blocks that hold no token, in [0, 1]."""
+        return self.scheduler.pool.fragmentation
+
+    def check_integrity(self) -> None:
+        """Assert the scheduler's block accounting balances (tests, census runs)."""
+        self.scheduler.check_integrity()
+
+    def reset_step_stats(self) -> None:
+        """Forget the step timings so far (after a warm-up)."""
+        self.step_stats.reset()
+
     def stats(self) -> dict:
         stats = self.scheduler.stats()
         stats["num_step_errors"] = self.num_step_errors

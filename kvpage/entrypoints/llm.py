@@ -7,12 +7,17 @@ this module is the front end only. Imported lazily (``kvpage.LLM``) so that
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterator, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence, Union
 
 from kvpage.core.config import EngineConfig
 from kvpage.core.sampling_params import SamplingParams
 from kvpage.engine.llm_engine import LLMEngine
 from kvpage.engine.outputs import RequestOutput, StreamDelta
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvpage.adapters.hf_runner import HFModelRunner
 
 PromptsArg = Union[str, Sequence[str], Sequence[Sequence[int]]]
 
@@ -40,7 +45,19 @@ class LLM:
 
         self.config = engine_config(config, **options)
         self.model, self.tokenizer, self.model_path = load_model(model, tokenizer, self.config)
-        self.engine: LLMEngine = build_hf_engine(self.model, self.tokenizer, self.config)
+        built = build_hf_engine(self.model, self.tokenizer, self.config)
+        self.engine: LLMEngine = built.engine
+        self.runner: "HFModelRunner" = built.runner
+
+    @property
+    def device(self) -> "torch.device":
+        """Where the model's weights and KV cache live."""
+        return self.runner.device
+
+    @property
+    def max_model_len(self) -> int:
+        """Tokens a sequence may reach, prompt and output together."""
+        return self.engine.max_model_len
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts: PromptsArg, sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
@@ -135,13 +152,30 @@ class LLM:
         """
         self.engine.reset_prefix_cache()
 
+    def flush_kv_tiers(self, timeout_s: float = 30.0) -> bool:
+        """Wait up to ``timeout_s`` seconds for the disk tier's queued reads and writes; True
+        when they all finished (also without tiers)."""
+        return self.engine.flush_kv_tiers(timeout_s)
+
     def close(self) -> None:
         """Finish the disk tier's queued writes and stop background threads (idempotent)."""
         self.engine.close()
 
+    def check_integrity(self) -> None:
+        """Assert the engine's block accounting balances (tests, census runs)."""
+        self.engine.check_integrity()
+
+    def warm_up(self) -> None:
+        """One prefill (a little over two KV blocks) and one decode through the whole engine,
+        so that first-use compilation happens now; the step timings start afresh after it.
+        The warm-up request counts in the engine's token counters like any other."""
+        prompt = [0] * max(1, min(2 * self.engine.block_size + 1, self.max_model_len - 2))
+        self.generate([prompt], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), use_tqdm=False)
+        self.engine.reset_step_stats()
+
     def restore(self) -> None:
         """Give the model back its original attention implementation (plain HF use)."""
-        self.engine.runner.restore()
+        self.runner.restore()
 
 
 def _as_list(value: Any, name: str) -> list:

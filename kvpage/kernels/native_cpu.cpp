@@ -22,6 +22,9 @@
 
 #include <optional>
 
+namespace {
+using Vec = __m512;  // the register the shared vector code (native_cpu_common.h) is written over
+}
 #include "native_cpu_common.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
@@ -35,71 +38,6 @@
 #endif
 
 namespace {
-
-
-// ---- 16-lane loads and stores of one element type ------------------------------------
-
-template <int T> inline __m512 load16(const void* base, int64_t i);
-template <> inline __m512 load16<kF32>(const void* b, int64_t i) {
-  return _mm512_loadu_ps(static_cast<const float*>(b) + i);
-}
-template <> inline __m512 load16<kBF16>(const void* b, int64_t i) {
-  __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(b) + i));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-template <> inline __m512 load16<kF16>(const void* b, int64_t i) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(b) + i)));
-}
-
-template <int T> inline void store16(void* base, int64_t i, __m512 x);
-template <> inline void store16<kF32>(void* b, int64_t i, __m512 x) { _mm512_storeu_ps(static_cast<float*>(b) + i, x); }
-template <> inline void store16<kBF16>(void* b, int64_t i, __m512 x) {
-  // Round to nearest even, as torch's float -> bfloat16 conversion; NaN stays a quiet NaN.
-  __m512i u = _mm512_castps_si512(x);
-  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-  __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc0));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(b) + i), _mm512_cvtepi32_epi16(rounded));
-}
-template <> inline void store16<kF16>(void* b, int64_t i, __m512 x) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(b) + i),
-                      _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-}
-
-// exp(x) for x <= 0 (score minus running max): Cody-Waite reduction and a degree-6
-// polynomial, relative error below 1e-6 over [-87, 0]; 0 below -87 (and for -inf).
-inline __m512 exp_nonpositive(__m512 x) {
-  const __m512 lo = _mm512_set1_ps(-87.0f);
-  __m512 v = _mm512_max_ps(x, lo);
-  __m512 k = _mm512_roundscale_ps(_mm512_fmadd_ps(v, _mm512_set1_ps(1.4426950408889634f), _mm512_set1_ps(0.5f)),
-                                  _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), v);
-  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  __m512i scaled = _mm512_add_epi32(_mm512_castps_si512(p), _mm512_slli_epi32(_mm512_cvtps_epi32(k), 23));
-  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, lo, _CMP_GT_OQ), _mm512_castsi512_ps(scaled));
-}
-
-inline float exp_nonpositive_scalar(float x) { return _mm512_cvtss_f32(exp_nonpositive(_mm512_set1_ps(x))); }
-
-// The scaled query rows of sequence i as fp32, head-major.
-template <int T>
-void load_queries(const DecodeArgs& a, int64_t i, float* qf) {
-  const int64_t d16 = a.head_dim / 16;
-  const __m512 scale = _mm512_set1_ps(a.scale);
-  for (int64_t hq = 0; hq < a.num_heads; ++hq) {
-    int64_t base = i * a.q_stride_token + hq * a.q_stride_head;
-    for (int64_t c = 0; c < d16; ++c)
-      _mm512_storeu_ps(qf + hq * a.head_dim + c * 16, _mm512_mul_ps(load16<T>(a.q, base + c * 16), scale));
-  }
-}
 
 // Sixteen horizontal sums at once: lane i of the result is the sum of v[i]'s lanes
 // (a transpose-and-add tree: 45 instructions where sixteen separate reductions take ~130).
@@ -160,7 +98,7 @@ inline void dot16(const void* key_cache, int64_t head_dim, float scale, const vo
     const float* qf = static_cast<const float*>(qrow);
     for (int64_t c = 0; c < d16; ++c) {  // chunk-outer: sixteen independent chains per chunk
       const __m512 qc = _mm512_loadu_ps(qf + c * 16);
-      for (int j = 0; j < 16; ++j) acc[j] = _mm512_fmadd_ps(qc, load16<T>(key_cache, rows[j] + c * 16), acc[j]);
+      for (int j = 0; j < 16; ++j) acc[j] = _mm512_fmadd_ps(qc, load_vec<T>(key_cache, rows[j] + c * 16), acc[j]);
     }
     sums = reduce16(acc);
   }
@@ -213,7 +151,7 @@ void partition_scores(const DecodeArgs& a, const int64_t* offs, int64_t n, const
 // running max and rescales that head's accumulator and denominator.
 void partition_softmax(float* s, int64_t n, float softcap, float* max_, float* den, float* acc, int64_t head_dim) {
   if (softcap > 0)
-    for (int64_t j = 0; j < n; ++j) s[j] = softcap * std::tanh(s[j] / softcap);
+    for (int64_t j = 0; j < n; ++j) s[j] = softcapped(s[j], softcap);
   __m512 mx = _mm512_set1_ps(*max_);
   for (int64_t j = 0; j < n; j += 16) {
     const __mmask16 live = n - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - j)) - 1);
@@ -315,7 +253,7 @@ void head_values(const DecodeArgs& a, const int64_t* offs, int64_t n, const floa
   for (int64_t j = 0; j < n; ++j) {
     if (j % 2 == 0) pq.issue(per_pair);
     __m512 vv[D16];
-    for (int c = 0; c < D16; ++c) vv[c] = load16<T>(a.value_cache, offs[j] + h * D + c * 16);
+    for (int c = 0; c < D16; ++c) vv[c] = load_vec<T>(a.value_cache, offs[j] + h * D + c * 16);
     for (int g = 0; g < kRows; ++g) {
       const __m512 w = _mm512_set1_ps(scores[(hq0 + g) * kPartition + j]);
       for (int c = 0; c < D16; ++c) r[g][c] = _mm512_fmadd_ps(w, vv[c], r[g][c]);
@@ -351,7 +289,7 @@ void partition_values(const DecodeArgs& a, const int64_t* offs, int64_t n, const
     __m512 vv[kMaxChunks];
     for (int64_t j = 0; j < n; ++j) {
       for (int64_t h = 0; h < a.num_kv_heads; ++h) {
-        for (int64_t c = 0; c < d16; ++c) vv[c] = load16<T>(a.value_cache, offs[j] + h * D + c * 16);
+        for (int64_t c = 0; c < d16; ++c) vv[c] = load_vec<T>(a.value_cache, offs[j] + h * D + c * 16);
         for (int64_t g = 0; g < group; ++g) {
           const int64_t hq = h * group + g;
           const __m512 w = _mm512_set1_ps(scores[hq * kPartition + j]);
@@ -364,41 +302,22 @@ void partition_values(const DecodeArgs& a, const int64_t* offs, int64_t n, const
   }
 }
 
-// out_row = acc / den; a sink adds exp(sink) to the denominator only.
-template <int T>
-void normalize_row(const float* acc, float m, float den, const float* sinks, int64_t hq, int64_t head_dim,
-                   void* out, int64_t out_offset) {
-  float inv = 1.0f / den;
-  if (sinks != nullptr) {
-    const float mx = std::max(m, sinks[hq]);
-    inv = std::exp(m - mx) / (den * std::exp(m - mx) + std::exp(sinks[hq] - mx));
-  }
-  const __m512 scale = _mm512_set1_ps(inv);
-  for (int64_t d = 0; d < head_dim; d += 16)
-    store16<T>(out, out_offset + d, _mm512_mul_ps(_mm512_loadu_ps(acc + d), scale));
-}
-
-struct Scratch {
+struct DecodeScratch {
   std::vector<float> qf, acc, scores, stats;
   LineQueue queue;
   std::vector<uint16_t> qraw;  // the bf16 query rows, for the bf16 dot path
 };
 
-template <int T, int D16>
-void decode_item(const DecodeArgs& a, int64_t item, Scratch& w) {
-  const int64_t i = item / a.num_splits, split = item % a.num_splits, D = a.head_dim, H = a.num_heads;
-  const int64_t seq_len = a.seq_lens[i];
-  const int64_t lo = a.window > 0 ? std::max<int64_t>(0, seq_len - a.window) : 0;
-  const int64_t chunk = (seq_len - lo + a.num_splits * a.block_size - 1) / (a.num_splits * a.block_size) * a.block_size;
-  const int64_t tok_lo = std::min(lo + split * chunk, seq_len), tok_hi = std::min(tok_lo + chunk, seq_len);
+template <int T, int kD>
+void decode_item(const DecodeArgs& a, int64_t item, DecodeScratch& w) {
+  constexpr int D16 = kD / 16;  // 0: a run-time head size
+  const DecodeSpan span = decode_span(a, item);
+  const int64_t i = span.seq, D = a.head_dim, H = a.num_heads, tok_lo = span.tok_lo, tok_hi = span.tok_hi;
   w.qf.resize(H * D);
   w.acc.assign(H * D, 0.0f);
   w.scores.resize(H * kPartition);
   w.stats.resize(2 * H);
-  for (int64_t hq = 0; hq < H; ++hq) {
-    w.stats[2 * hq] = -std::numeric_limits<float>::infinity();
-    w.stats[2 * hq + 1] = 0.0f;
-  }
+  reset_stats(w.stats.data(), H, 2);
   const void* qrows = w.qf.data();
   if (uses_bf16_dot<T>(D)) {
     w.qraw.resize(H * D);
@@ -407,12 +326,12 @@ void decode_item(const DecodeArgs& a, int64_t item, Scratch& w) {
                   static_cast<const uint16_t*>(a.q) + i * a.q_stride_token + hq * a.q_stride_head, D * 2);
     qrows = w.qraw.data();
   } else {
-    load_queries<T>(a, i, w.qf.data());
+    load_queries<T>(a, i, D, w.qf.data());
   }
   const int32_t* table = a.block_tables + i * a.table_stride;
   const int64_t row = a.num_kv_heads * D;
   int64_t offs[kPartition], next_offs[kPartition];
-  const int64_t elem_bytes = T == kF32 ? 4 : 2, row_bytes = row * elem_bytes;
+  const int64_t elem_bytes = elem_size(T), row_bytes = row * elem_bytes;
   int64_t n = row_offsets(a, table, row, tok_lo, tok_hi, offs);
   w.queue.reset(row_bytes);  // the first partition's K: nothing to compute meanwhile, so at once
   w.queue.add(a.key_cache, offs, n, elem_bytes);
@@ -442,61 +361,9 @@ void decode_item(const DecodeArgs& a, int64_t item, Scratch& w) {
     std::memcpy(offs, next_offs, next_n * sizeof(int64_t));
     n = next_n;
   }
-  for (int64_t hq = 0; hq < H; ++hq) {
-    if (a.num_splits == 1) {
-      normalize_row<T>(w.acc.data() + hq * D, w.stats[2 * hq], w.stats[2 * hq + 1], a.sinks, hq, D, a.out,
-                       (i * H + hq) * D);
-    } else {
-      const int64_t part = (i * H + hq) * a.num_splits + split;
-      a.part_stats[2 * part] = w.stats[2 * hq];
-      a.part_stats[2 * part + 1] = w.stats[2 * hq + 1];
-      std::memcpy(a.part_acc + part * D, w.acc.data() + hq * D, D * sizeof(float));
-    }
-  }
+  finish_decode_item<T>(a, span, D, w.acc.data(), w.stats.data());
 }
 
-// Merge the per-split (max, denominator, accumulator) of row (i, hq) into out.
-template <int T>
-void combine_row(const DecodeArgs& a, int64_t row) {
-  const int64_t D = a.head_dim, S = a.num_splits, hq = row % a.num_heads;
-  const float* stats = a.part_stats + row * S * 2;
-  float m = -std::numeric_limits<float>::infinity();
-  for (int64_t s = 0; s < S; ++s) m = std::max(m, stats[2 * s]);
-  float den = 0.0f;
-  std::vector<float> acc(D, 0.0f);
-  for (int64_t s = 0; s < S; ++s) {
-    if (stats[2 * s + 1] <= 0) continue;  // an empty split
-    const float wgt = std::exp(stats[2 * s] - m);
-    den += stats[2 * s + 1] * wgt;
-    const float* part = a.part_acc + (row * S + s) * D;
-    for (int64_t d = 0; d < D; ++d) acc[d] += part[d] * wgt;
-  }
-  normalize_row<T>(acc.data(), m, den, a.sinks, hq, D, a.out, row * D);
-}
-
-template <int T, int D16>
-void decode_all(const DecodeArgs& a, int num_threads) {
-  const int64_t items = a.num_seqs * a.num_splits;
-#pragma omp parallel num_threads(num_threads)
-  {
-    Scratch w;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < items; ++item) decode_item<T, D16>(a, item, w);
-  }
-  if (a.num_splits > 1) {
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t row = 0; row < a.num_seqs * a.num_heads; ++row) combine_row<T>(a, row);
-  }
-}
-
-template <int T>
-void decode_typed(const DecodeArgs& a, int num_threads) {
-  switch (a.head_dim) {  // the common head sizes get fully unrolled chunk loops
-    case 64: decode_all<T, 4>(a, num_threads); break;
-    case 128: decode_all<T, 8>(a, num_threads); break;
-    default: decode_all<T, 0>(a, num_threads); break;
-  }
-}
 
 
 // ---- Prefill and chunked prefill: queries at the end of their sequence's context -------
@@ -517,8 +384,7 @@ template <int T, int D16>
 void prefill_item(const PrefillArgs& a, const PrefillItem& it, std::vector<float>& scratch,
                   std::vector<uint16_t>& qraw) {
   const int64_t D = a.head_dim, d16 = D16 ? D16 : D / 16, group = a.num_heads / a.num_kv_heads;
-  const int64_t q0 = a.query_start_loc[it.seq], q_len = a.query_start_loc[it.seq + 1] - q0;
-  const int64_t seq_len = a.seq_lens[it.seq], first_pos = seq_len - q_len;
+  const PrefillSpan span = prefill_span(a, it);
   const int64_t tile = it.rows, rows = tile * group;
   const bool raw = uses_bf16_dot<T>(D);
   // scratch: fp32 queries [rows][D] | accumulators [rows][D] | V rows [kKeyChunk][D] | scores [kKeyChunk]
@@ -529,43 +395,31 @@ void prefill_item(const PrefillArgs& a, const PrefillItem& it, std::vector<float
   float* probs = vblock + kKeyChunk * D;
   float* stats = probs + kKeyChunk;  // (max, denominator) per row
   if (raw) qraw.resize(rows * D);
-  const __m512 scale = _mm512_set1_ps(a.scale);
-  for (int64_t r = 0; r < tile; ++r) {
-    for (int64_t g = 0; g < group; ++g) {
-      const int64_t m = r * group + g, hq = it.head * group + g;
-      const int64_t src = (q0 + it.row0 + r) * a.q_stride_token + hq * a.q_stride_head;
-      if (raw) {
-        std::memcpy(qraw.data() + m * D, static_cast<const uint16_t*>(a.q) + src, D * 2);
-      } else {
-        for (int64_t c = 0; c < d16; ++c)
-          _mm512_storeu_ps(qf + m * D + c * 16, _mm512_mul_ps(load16<T>(a.q, src + c * 16), scale));
-      }
-      std::memset(acc + m * D, 0, D * sizeof(float));
-      stats[2 * m] = -std::numeric_limits<float>::infinity();
-      stats[2 * m + 1] = 0.0f;
+  for (int64_t m = 0; m < rows; ++m) {
+    const int64_t src = prefill_query_offset(a, it, span.q0, m);
+    if (raw) {
+      std::memcpy(qraw.data() + m * D, static_cast<const uint16_t*>(a.q) + src, D * 2);
+    } else {
+      load_scaled<T>(a.q, src, D, a.scale, qf + m * D);
     }
   }
-  const int64_t lo_pos = first_pos + it.row0, hi_pos = lo_pos + tile - 1;  // the tile's token positions
-  const int64_t k_lo = a.window > 0 ? std::max<int64_t>(0, lo_pos - a.window + 1) : 0;
-  const int32_t* table = a.block_tables + it.seq * a.table_stride;
-  const int64_t row = a.num_kv_heads * D;
+  std::memset(acc, 0, rows * D * sizeof(float));
+  reset_stats(stats, rows, 2);
+  const int64_t lo_pos = span.lo_pos;
   int64_t offs[kKeyChunk];
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t base = k_lo / kKeyChunk * kKeyChunk; base <= hi_pos; base += kKeyChunk) {
-    const int64_t n = std::min(kKeyChunk, seq_len - base);
+  for (int64_t base = span.k_lo / kKeyChunk * kKeyChunk; base <= span.hi_pos; base += kKeyChunk) {
+    const int64_t n = std::min(kKeyChunk, span.seq_len - base);
     for (int64_t j = 0; j < n; ++j) {
-      const int64_t t = base + j;
-      offs[j] = (static_cast<int64_t>(table[t / a.block_size]) * a.block_size + t % a.block_size) * row + it.head * D;
+      offs[j] = prefill_key_offset(a, it, span.table, base + j);
       for (int64_t c = 0; c < d16; ++c)
-        _mm512_storeu_ps(vblock + j * D + c * 16, load16<T>(a.value_cache, offs[j] + c * 16));
+        _mm512_storeu_ps(vblock + j * D + c * 16, load_vec<T>(a.value_cache, offs[j] + c * 16));
     }
     for (int64_t r = 0; r < tile; ++r) {
-      const int64_t pos = lo_pos + r;
-      // Visible keys of this row within the chunk: base + j <= pos, base + j > pos - window.
-      const int64_t last = std::min<int64_t>(n - 1, pos - base);
-      const int64_t first = a.window > 0 ? std::max<int64_t>(0, pos - a.window + 1 - base) : 0;
-      if (last < 0 || first > last) continue;
+      const KeyRange seen = visible_keys(a, lo_pos + r, base, n);
+      if (seen.empty()) continue;
+      const int64_t first = seen.first, last = seen.last;
       const int64_t sub_lo = first / 16, sub_hi = last / 16;  // the 16-key groups holding visible keys
       __mmask16 visible[kKeyChunk / 16];
       for (int64_t k = sub_lo; k <= sub_hi; ++k) {
@@ -582,7 +436,7 @@ void prefill_item(const PrefillArgs& a, const PrefillItem& it, std::vector<float
                            probs + 16 * k);
           sv[k] = _mm512_loadu_ps(probs + 16 * k);
           if (a.softcap > 0) {
-            for (int64_t j = 16 * k; j < 16 * k + 16; ++j) probs[j] = a.softcap * std::tanh(probs[j] / a.softcap);
+            for (int64_t j = 16 * k; j < 16 * k + 16; ++j) probs[j] = softcapped(probs[j], a.softcap);
             sv[k] = _mm512_loadu_ps(probs + 16 * k);
           }
           sv[k] = _mm512_mask_mov_ps(neg_inf, visible[k], sv[k]);
@@ -611,12 +465,7 @@ void prefill_item(const PrefillArgs& a, const PrefillItem& it, std::vector<float
       }
     }
   }
-  for (int64_t r = 0; r < tile; ++r)
-    for (int64_t g = 0; g < group; ++g) {
-      const int64_t m = r * group + g, hq = it.head * group + g;
-      normalize_row<T>(acc + m * D, stats[2 * m], stats[2 * m + 1], a.sinks, hq, D, a.out,
-                       ((q0 + it.row0 + r) * a.num_heads + hq) * D);
-    }
+  finish_prefill_item<T>(a, it, span.q0, rows, acc, stats, 2);
 }
 
 
@@ -794,8 +643,7 @@ void prefill_item_mm(const PrefillArgs& a, const PrefillItem& it, std::vector<ui
   constexpr int64_t kKeySteps = kPaired ? kKeyChunk / 2 : kKeyChunk;  // V rows of words, P words per row
   constexpr int64_t kPvRows = D16 >= 16 ? 1 : 16 / D16;               // rows per P.V register block
   const int64_t group = a.num_heads / a.num_kv_heads;
-  const int64_t q0 = a.query_start_loc[it.seq], q_len = a.query_start_loc[it.seq + 1] - q0;
-  const int64_t seq_len = a.seq_lens[it.seq], first_pos = seq_len - q_len;
+  const PrefillSpan span = prefill_span(a, it);
   const int64_t rows = it.rows * group;
   constexpr bool kAmxShaped = kPaired && kD % 64 == 0;
   const bool amx = kAmxShaped && prefill_uses_amx<T, D16>();
@@ -811,33 +659,24 @@ void prefill_item_mm(const PrefillArgs& a, const PrefillItem& it, std::vector<ui
   floats.assign(padded * kD + 3 * padded, 0.0f);
   float* acc = floats.data();
   float* stats = acc + padded * kD;
-  for (int64_t m = 0; m < padded; ++m) {
-    stats[3 * m] = -std::numeric_limits<float>::infinity();
-    if (m >= rows) continue;  // padding rows: zero queries, never written out
-    const int64_t r = m / group, hq = it.head * group + m % group;
-    const int64_t src = (q0 + it.row0 + r) * a.q_stride_token + hq * a.q_stride_head;
+  reset_stats(stats, padded, 3);
+  for (int64_t m = 0; m < rows; ++m) {  // padding rows: zero queries, never written out
+    const int64_t src = prefill_query_offset(a, it, span.q0, m);
     if constexpr (kPaired) {
       std::memcpy(qw + m * kQWords, static_cast<const uint16_t*>(a.q) + src, kD * 2);
     } else {
       for (int64_t c = 0; c < D16; ++c) _mm512_storeu_ps(reinterpret_cast<float*>(qw + m * kQWords) + 16 * c,
-                                                         load16<T>(a.q, src + 16 * c));
+                                                         load_vec<T>(a.q, src + 16 * c));
     }
   }
-  const int64_t lo_pos = first_pos + it.row0, hi_pos = lo_pos + it.rows - 1;
-  const int64_t k_lo = a.window > 0 ? std::max<int64_t>(0, lo_pos - a.window + 1) : 0;
-  const int32_t* table = a.block_tables + it.seq * a.table_stride;
-  const int64_t row_elems = a.num_kv_heads * kD;
+  const int64_t lo_pos = span.lo_pos;
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const __m512 scale = _mm512_set1_ps(a.scale);
   int64_t offs[kKeyChunk];
-  for (int64_t base = k_lo / kKeyChunk * kKeyChunk; base <= hi_pos; base += kKeyChunk) {
-    const int64_t n = std::min(kKeyChunk, seq_len - base);
-    for (int64_t j = 0; j < n; ++j) {
-      const int64_t t = base + j;
-      offs[j] = (static_cast<int64_t>(table[t / a.block_size]) * a.block_size + t % a.block_size) * row_elems +
-                it.head * kD;
-    }
+  for (int64_t base = span.k_lo / kKeyChunk * kKeyChunk; base <= span.hi_pos; base += kKeyChunk) {
+    const int64_t n = std::min(kKeyChunk, span.seq_len - base);
+    for (int64_t j = 0; j < n; ++j) offs[j] = prefill_key_offset(a, it, span.table, base + j);
     // K^T: kt[c][j] is word c of key j (dims 2c, 2c+1 when paired); V: vw[s][d] is dim d
     // of key s (keys 2s, 2s+1 when paired). Keys past n are zero, so P.V adds nothing for them.
     if constexpr (kPaired) {
@@ -865,8 +704,8 @@ void prefill_item_mm(const PrefillArgs& a, const PrefillItem& it, std::vector<ui
         float* vrow = reinterpret_cast<float*>(vw + j * kD);
         for (int64_t c = 0; c < D16; ++c) {
           const bool live = j < n;
-          _mm512_store_ps(krow + 16 * c, live ? load16<T>(a.key_cache, offs[j] + 16 * c) : _mm512_setzero_ps());
-          _mm512_storeu_ps(vrow + 16 * c, live ? load16<T>(a.value_cache, offs[j] + 16 * c) : _mm512_setzero_ps());
+          _mm512_store_ps(krow + 16 * c, live ? load_vec<T>(a.key_cache, offs[j] + 16 * c) : _mm512_setzero_ps());
+          _mm512_storeu_ps(vrow + 16 * c, live ? load_vec<T>(a.value_cache, offs[j] + 16 * c) : _mm512_setzero_ps());
         }
         float* ktf = reinterpret_cast<float*>(kt);
         for (int64_t d = 0; d < kD; ++d) ktf[d * kKeyChunk + j] = krow[d];
@@ -878,10 +717,9 @@ void prefill_item_mm(const PrefillArgs& a, const PrefillItem& it, std::vector<ui
       float* st = stats + 3 * m;
       st[2] = 1.0f;  // alpha: no rescale unless the max moves
       uint32_t* prow = pw + m * kKeySteps;
-      const int64_t pos = lo_pos + std::min(m, rows - 1) / group;
-      const int64_t last = std::min<int64_t>(n - 1, pos - base);
-      const int64_t first = a.window > 0 ? std::max<int64_t>(0, pos - a.window + 1 - base) : 0;
-      if (m >= rows || last < 0 || first > last) {
+      const KeyRange seen = visible_keys(a, lo_pos + std::min(m, rows - 1) / group, base, n);
+      const int64_t first = seen.first, last = seen.last;
+      if (m >= rows || seen.empty()) {
         std::memset(prow, 0, kKeySteps * sizeof(uint32_t));
         return;
       }
@@ -892,7 +730,7 @@ void prefill_item_mm(const PrefillArgs& a, const PrefillItem& it, std::vector<ui
         if (a.softcap > 0) {
           alignas(64) float tmp[16];
           _mm512_store_ps(tmp, x);
-          for (int j = 0; j < 16; ++j) tmp[j] = a.softcap * std::tanh(tmp[j] / a.softcap);
+          for (int j = 0; j < 16; ++j) tmp[j] = softcapped(tmp[j], a.softcap);
           x = _mm512_load_ps(tmp);
         }
         const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(16 * v)));
@@ -985,11 +823,7 @@ void prefill_item_mm(const PrefillArgs& a, const PrefillItem& it, std::vector<ui
         for (int64_t c = 0; c < D16; ++c) _mm512_storeu_ps(acc + (m0 + r) * kD + 16 * c, o[r][c]);
     }
   }
-  for (int64_t m = 0; m < rows; ++m) {
-    const int64_t r = m / group, hq = it.head * group + m % group;
-    normalize_row<T>(acc + m * kD, stats[3 * m], stats[3 * m + 1], a.sinks, hq, kD, a.out,
-                     ((q0 + it.row0 + r) * a.num_heads + hq) * kD);
-  }
+  finish_prefill_item<T>(a, it, span.q0, rows, acc, stats, 3);
 }
 
 // Per-thread buffers of the two prefill kernels (each uses its own pair).
@@ -997,27 +831,24 @@ struct PrefillScratch {
   std::vector<float> floats;
   std::vector<uint16_t> halves;  // prefill_item's raw bf16 queries
   std::vector<uint32_t> words;   // prefill_item_mm's laid-out chunk
+#if defined(KVPAGE_AMX)
+  std::optional<TileScope> tiles;  // the thread's tile configuration, from its first AMX item on
+#endif
 };
 
 // Every item on the thread pool, longest first as listed; kMatmul picks the kernel.
 template <int T, int D16, bool kMatmul>
 void prefill_all(const PrefillArgs& a, const std::vector<PrefillItem>& items, int num_threads) {
-#pragma omp parallel num_threads(num_threads)
-  {
-    PrefillScratch w;
+  on_pool<PrefillScratch>(items.size(), num_threads, [&](int64_t k, PrefillScratch& w) {
+    if constexpr (kMatmul) {
 #if defined(KVPAGE_AMX)
-    std::optional<TileScope> tiles;
-    if (kMatmul && prefill_uses_amx<T, D16>()) tiles.emplace();
+      if (!w.tiles && prefill_uses_amx<T, D16>()) w.tiles.emplace();
 #endif
-#pragma omp for schedule(dynamic, 1)
-    for (size_t k = 0; k < items.size(); ++k) {
-      if constexpr (kMatmul) {
-        prefill_item_mm<T, D16>(a, items[k], w.words, w.floats);
-      } else {
-        prefill_item<T, D16>(a, items[k], w.floats, w.halves);
-      }
+      prefill_item_mm<T, D16>(a, items[k], w.words, w.floats);
+    } else {
+      prefill_item<T, D16>(a, items[k], w.floats, w.halves);
     }
-  }
+  });
 }
 
 template <int T>
@@ -1055,14 +886,7 @@ void row_argmax(const float* x, int64_t cols, float* out_max, int64_t* out_idx) 
     best_idx = _mm512_mask_mov_epi32(best_idx, greater, idx);
     idx = _mm512_add_epi32(idx, step);
   }
-  if (nan) {  // torch's max propagates NaN; the index is then that of the first NaN
-    for (int64_t j = 0; j < cols; ++j)
-      if (std::isnan(x[j])) {
-        *out_max = x[j];
-        *out_idx = j;
-        return;
-      }
-  }
+  if (nan && first_nan(x, cols, out_max, out_idx)) return;
   const float m = _mm512_reduce_max_ps(best);
   const __mmask16 ties = _mm512_cmp_ps_mask(best, _mm512_set1_ps(m), _CMP_EQ_OQ);
   // Among the lanes holding the maximum, the smallest index is the row's first maximum

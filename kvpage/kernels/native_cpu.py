@@ -8,7 +8,7 @@ use with the system C++ compiler (``g++ -O3 -march=native -fopenmp``, the toolch
 (``~/.cache/kvpage``), keyed by the sources, the compiler and the CPU's flags, so later
 processes load it in milliseconds; loaded with ctypes. Torch-free: arguments are raw
 addresses and sizes, so numpy arrays and torch tensors both work
-(:mod:`kvpage.attention.cpu` passes either).
+(:mod:`kvpage.attention.cpu_kernels` passes torch tensors' addresses).
 
 Why it exists (measured, see the sources' headers): the library links GNU OpenMP by
 soname and so shares torch's thread pool, where numba's parallel loops ran on a second

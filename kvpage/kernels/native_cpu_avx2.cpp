@@ -20,6 +20,9 @@
 
 #include <immintrin.h>
 
+namespace {
+using Vec = __m256;  // the register the shared vector code (native_cpu_common.h) is written over
+}
 #include "native_cpu_common.h"
 
 #if !defined(__AVX2__) || !defined(__FMA__) || !defined(__F16C__)
@@ -27,66 +30,6 @@
 #endif
 
 namespace {
-
-// ---- 8-lane loads and stores of one element type ----------------------------------
-
-template <int T> inline __m256 load8(const void* base, int64_t i);
-template <> inline __m256 load8<kF32>(const void* b, int64_t i) {
-  return _mm256_loadu_ps(static_cast<const float*>(b) + i);
-}
-template <> inline __m256 load8<kBF16>(const void* b, int64_t i) {
-  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(b) + i));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
-}
-template <> inline __m256 load8<kF16>(const void* b, int64_t i) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(b) + i)));
-}
-
-template <int T> inline void store8(void* base, int64_t i, __m256 x);
-template <> inline void store8<kF32>(void* b, int64_t i, __m256 x) { _mm256_storeu_ps(static_cast<float*>(b) + i, x); }
-template <> inline void store8<kBF16>(void* b, int64_t i, __m256 x) {
-  // Round to nearest even, as torch's float -> bfloat16 conversion; NaN stays a quiet NaN.
-  const __m256i u = _mm256_castps_si256(x);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
-  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-  rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7fc0), nan);
-  // 32-bit lanes holding 16-bit values -> 8 packed halves (packus saturates nothing here).
-  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(b) + i), packed);
-}
-template <> inline void store8<kF16>(void* b, int64_t i, __m256 x) {
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(b) + i),
-                   _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-}
-
-// dst[0:D] = scale * the D elements of `base` from element i, as fp32.
-template <int T>
-inline void load_scaled(const void* base, int64_t i, int64_t D, __m256 scale, float* dst) {
-  for (int64_t c = 0; c < D; c += 8) _mm256_storeu_ps(dst + c, _mm256_mul_ps(load8<T>(base, i + c), scale));
-}
-
-// exp(x) for x <= 0 (score minus running max): the reduction and polynomial of
-// native_cpu.cpp's exp_nonpositive (relative error below 1e-6 over [-87, 0]); 0 below -87
-// and for -inf.
-inline __m256 exp_nonpositive(__m256 x) {
-  const __m256 lo = _mm256_set1_ps(-87.0f);
-  const __m256 v = _mm256_max_ps(x, lo);
-  const __m256 k = _mm256_floor_ps(_mm256_fmadd_ps(v, _mm256_set1_ps(1.4426950408889634f), _mm256_set1_ps(0.5f)));
-  __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), v);
-  r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i scaled = _mm256_add_epi32(_mm256_castps_si256(p), _mm256_slli_epi32(_mm256_cvtps_epi32(k), 23));
-  return _mm256_and_ps(_mm256_cmp_ps(x, lo, _CMP_GT_OQ), _mm256_castsi256_ps(scaled));
-}
-
-inline float exp_nonpositive_scalar(float x) { return _mm256_cvtss_f32(exp_nonpositive(_mm256_set1_ps(x))); }
 
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -117,22 +60,6 @@ inline __m256 visible_mask(int64_t base, int64_t first, int64_t last) {
   return _mm256_castsi256_ps(_mm256_and_si256(ge_first, le_last));
 }
 
-inline float softcapped(float x, float softcap) { return softcap > 0 ? softcap * std::tanh(x / softcap) : x; }
-
-// out_row = acc / den; a sink adds exp(sink) to the denominator only.
-template <int T>
-void normalize_row(const float* acc, float m, float den, const float* sinks, int64_t hq, int64_t head_dim,
-                   void* out, int64_t out_offset) {
-  float inv = 1.0f / den;
-  if (sinks != nullptr) {
-    const float mx = std::max(m, sinks[hq]);
-    inv = std::exp(m - mx) / (den * std::exp(m - mx) + std::exp(sinks[hq] - mx));
-  }
-  const __m256 scale = _mm256_set1_ps(inv);
-  for (int64_t d = 0; d < head_dim; d += 8)
-    store8<T>(out, out_offset + d, _mm256_mul_ps(_mm256_loadu_ps(acc + d), scale));
-}
-
 // The streaming-softmax step of one row over n <= 64 scores s (already scaled and
 // softcapped; entries outside [first, last] are ignored): the row's new (max, denominator)
 // in st, the weights into s (0 outside the visible range, up to a multiple of 8), and the
@@ -160,6 +87,23 @@ inline float softmax_step(float* s, int64_t n, int64_t first, int64_t last, floa
   return alpha;
 }
 
+// The two-row register block of weighted_sum and scores_two_rows: for t < count,
+// o0[c] += x0[t] * y(t)[8c : 8c + 8] and o1[c] += x1[t] * the same vector, for c < kVecs
+// (0: `vecs`, known at run time), each vector of y(t) loaded once for both rows.
+template <int kVecs, class Y>
+inline void fma_two_rows(const float* x0, const float* x1, int64_t count, Y y, int64_t vecs, __m256* o0, __m256* o1) {
+  const int64_t nv = kVecs ? kVecs : vecs;
+  for (int64_t t = 0; t < count; ++t) {
+    const float* yt = y(t);
+    const __m256 b0 = _mm256_set1_ps(x0[t]), b1 = _mm256_set1_ps(x1[t]);
+    for (int64_t c = 0; c < nv; ++c) {
+      const __m256 yc = _mm256_loadu_ps(yt + 8 * c);
+      o0[c] = _mm256_fmadd_ps(b0, yc, o0[c]);
+      o1[c] = _mm256_fmadd_ps(b1, yc, o1[c]);
+    }
+  }
+}
+
 // acc[r][0:D] = acc[r] * alpha[r] + sum_j p[r][j] * V[j] for `rows` rows (p rows and acc rows
 // `p_stride` / `acc_stride` floats apart) over keys j < n, V row j at vrow(j) (fp32).
 // Blocks of two rows x 32 dims stay in registers across the keys.
@@ -180,26 +124,11 @@ inline void weighted_sum(float* acc, int64_t acc_stride, const float* p, int64_t
         o0[c] = c < chunks ? _mm256_mul_ps(_mm256_loadu_ps(a0 + d0 + 8 * c), al0) : _mm256_setzero_ps();
         o1[c] = c < chunks && two ? _mm256_mul_ps(_mm256_loadu_ps(a1 + d0 + 8 * c), al1) : _mm256_setzero_ps();
       }
+      const auto v = [&](int64_t j) { return vrow(j) + d0; };
       if (chunks == 4) {
-        for (int64_t j = 0; j < n; ++j) {
-          const float* v = vrow(j) + d0;
-          const __m256 w0 = _mm256_set1_ps(p0[j]), w1 = _mm256_set1_ps(p1[j]);
-          for (int64_t c = 0; c < 4; ++c) {
-            const __m256 vv = _mm256_loadu_ps(v + 8 * c);
-            o0[c] = _mm256_fmadd_ps(w0, vv, o0[c]);
-            o1[c] = _mm256_fmadd_ps(w1, vv, o1[c]);
-          }
-        }
+        fma_two_rows<4>(p0, p1, n, v, 4, o0, o1);
       } else {
-        for (int64_t j = 0; j < n; ++j) {
-          const float* v = vrow(j) + d0;
-          const __m256 w0 = _mm256_set1_ps(p0[j]), w1 = _mm256_set1_ps(p1[j]);
-          for (int64_t c = 0; c < 2; ++c) {
-            const __m256 vv = _mm256_loadu_ps(v + 8 * c);
-            o0[c] = _mm256_fmadd_ps(w0, vv, o0[c]);
-            o1[c] = _mm256_fmadd_ps(w1, vv, o1[c]);
-          }
-        }
+        fma_two_rows<2>(p0, p1, n, v, 2, o0, o1);
       }
       for (int64_t c = 0; c < chunks; ++c) {
         _mm256_storeu_ps(a0 + d0 + 8 * c, o0[c]);
@@ -238,7 +167,7 @@ void partition_scores8(const DecodeArgs& a, const int64_t* offs, int64_t n, cons
       const int64_t o = j < n ? offs[j] + h * D : -1;
       if constexpr (kD == 64) {  // the row's 8 vectors stay in registers for the group's heads
         __m256 k[8];
-        for (int c = 0; c < 8; ++c) k[c] = o >= 0 ? load8<T>(a.key_cache, o + 8 * c) : _mm256_setzero_ps();
+        for (int c = 0; c < 8; ++c) k[c] = o >= 0 ? load_vec<T>(a.key_cache, o + 8 * c) : _mm256_setzero_ps();
         for (int64_t g = 0; g < group; ++g) {
           const int64_t hq = h * group + g;
           const float* q = qf + hq * D;
@@ -257,8 +186,8 @@ void partition_scores8(const DecodeArgs& a, const int64_t* offs, int64_t n, cons
         if (o >= 0) {
           const float* q = qf + hq * D;
           for (int64_t c = 0; c < D; c += 16) {
-            x0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), load8<T>(a.key_cache, o + c), x0);
-            x1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + c + 8), load8<T>(a.key_cache, o + c + 8), x1);
+            x0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), load_vec<T>(a.key_cache, o + c), x0);
+            x1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + c + 8), load_vec<T>(a.key_cache, o + c + 8), x1);
           }
         }
         _mm256_storeu_ps(part + (hq * 8 + j) * 8, _mm256_add_ps(x0, x1));
@@ -285,7 +214,7 @@ void partition_values(const DecodeArgs& a, const int64_t* offs, int64_t n, const
       for (int64_t d0 = 0; d0 < D; d0 += 32) {
         const int64_t chunks = std::min<int64_t>(4, (D - d0) / 8);  // D % 16 == 0: 4 or 2
         __m256 v[4];
-        for (int64_t c = 0; c < chunks; ++c) v[c] = load8<T>(a.value_cache, o + d0 + 8 * c);
+        for (int64_t c = 0; c < chunks; ++c) v[c] = load_vec<T>(a.value_cache, o + d0 + 8 * c);
         for (int64_t g = 0; g < group; ++g) {
           const int64_t hq = h * group + g;
           const __m256 w = _mm256_set1_ps(scores[hq * kPartition + j]);
@@ -300,24 +229,16 @@ void partition_values(const DecodeArgs& a, const int64_t* offs, int64_t n, const
 
 template <int T, int kD>
 void decode_item(const DecodeArgs& a, int64_t item, DecodeScratch& w) {
-  const int64_t i = item / a.num_splits, split = item % a.num_splits, D = kD ? kD : a.head_dim, H = a.num_heads;
-  const int64_t seq_len = a.seq_lens[i];
-  const int64_t lo = a.window > 0 ? std::max<int64_t>(0, seq_len - a.window) : 0;
-  const int64_t chunk = (seq_len - lo + a.num_splits * a.block_size - 1) / (a.num_splits * a.block_size) * a.block_size;
-  const int64_t tok_lo = std::min(lo + split * chunk, seq_len), tok_hi = std::min(tok_lo + chunk, seq_len);
+  const DecodeSpan span = decode_span(a, item);
+  const int64_t D = kD ? kD : a.head_dim, H = a.num_heads, tok_lo = span.tok_lo, tok_hi = span.tok_hi;
   w.qf.resize(H * D);
   w.acc.assign(H * D, 0.0f);
   w.scores.assign(H * kPartition, 0.0f);
   w.stats.resize(2 * H);
   w.part.resize(64 * H);
-  const __m256 scale = _mm256_set1_ps(a.scale);
-  for (int64_t hq = 0; hq < H; ++hq) {
-    w.stats[2 * hq] = -std::numeric_limits<float>::infinity();
-    w.stats[2 * hq + 1] = 0.0f;
-    const int64_t src = i * a.q_stride_token + hq * a.q_stride_head;
-    load_scaled<T>(a.q, src, D, scale, w.qf.data() + hq * D);
-  }
-  const int32_t* table = a.block_tables + i * a.table_stride;
+  reset_stats(w.stats.data(), H, 2);
+  load_queries<T>(a, span.seq, D, w.qf.data());
+  const int32_t* table = a.block_tables + span.seq * a.table_stride;
   const int64_t row = a.num_kv_heads * D;
   int64_t offs[kPartition], next_offs[kPartition];
   int64_t n = row_offsets(a, table, row, tok_lo, tok_hi, offs);
@@ -337,62 +258,9 @@ void decode_item(const DecodeArgs& a, int64_t item, DecodeScratch& w) {
     std::memcpy(offs, next_offs, next_n * sizeof(int64_t));
     n = next_n;
   }
-  for (int64_t hq = 0; hq < H; ++hq) {
-    if (a.num_splits == 1) {
-      normalize_row<T>(w.acc.data() + hq * D, w.stats[2 * hq], w.stats[2 * hq + 1], a.sinks, hq, D, a.out,
-                       (i * H + hq) * D);
-    } else {
-      const int64_t part = (i * H + hq) * a.num_splits + split;
-      a.part_stats[2 * part] = w.stats[2 * hq];
-      a.part_stats[2 * part + 1] = w.stats[2 * hq + 1];
-      std::memcpy(a.part_acc + part * D, w.acc.data() + hq * D, D * sizeof(float));
-    }
-  }
+  finish_decode_item<T>(a, span, D, w.acc.data(), w.stats.data());
 }
 
-// Merge the per-split (max, denominator, accumulator) of row (i, hq) into out.
-template <int T>
-void combine_row(const DecodeArgs& a, int64_t row, std::vector<float>& acc) {
-  const int64_t D = a.head_dim, S = a.num_splits, hq = row % a.num_heads;
-  const float* stats = a.part_stats + row * S * 2;
-  float m = -std::numeric_limits<float>::infinity();
-  for (int64_t s = 0; s < S; ++s) m = std::max(m, stats[2 * s]);
-  float den = 0.0f;
-  acc.assign(D, 0.0f);
-  for (int64_t s = 0; s < S; ++s) {
-    if (stats[2 * s + 1] <= 0) continue;  // an empty split
-    const float wgt = std::exp(stats[2 * s] - m);
-    den += stats[2 * s + 1] * wgt;
-    const float* part = a.part_acc + (row * S + s) * D;
-    for (int64_t d = 0; d < D; ++d) acc[d] += part[d] * wgt;
-  }
-  normalize_row<T>(acc.data(), m, den, a.sinks, hq, D, a.out, row * D);
-}
-
-template <int T>
-void decode_typed(const DecodeArgs& a, int num_threads) {
-  const int64_t items = a.num_seqs * a.num_splits;
-#pragma omp parallel num_threads(num_threads)
-  {
-    DecodeScratch w;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < items; ++item) {
-      switch (a.head_dim) {  // the common head sizes get compile-time loop bounds
-        case 64: decode_item<T, 64>(a, item, w); break;
-        case 128: decode_item<T, 128>(a, item, w); break;
-        default: decode_item<T, 0>(a, item, w); break;
-      }
-    }
-  }
-  if (a.num_splits > 1) {
-#pragma omp parallel num_threads(num_threads)
-    {
-      std::vector<float> acc;
-#pragma omp for schedule(static)
-      for (int64_t row = 0; row < a.num_seqs * a.num_heads; ++row) combine_row<T>(a, row, acc);
-    }
-  }
-}
 
 // ---- Prefill and chunked prefill --------------------------------------------------------
 //
@@ -420,26 +288,11 @@ inline void scores_two_rows(const float* q0, const float* q1, const float* kt, i
     const int64_t vecs = std::min<int64_t>(4, (keys - j0) / 8);
     __m256 a0[4], a1[4];
     for (int v = 0; v < 4; ++v) a0[v] = a1[v] = _mm256_setzero_ps();
+    const auto k = [&](int64_t d) { return kt + d * kKeyChunk + j0; };  // K^T's row d, from key j0
     if (vecs == 4) {
-      for (int64_t d = 0; d < D; ++d) {
-        const __m256 b0 = _mm256_set1_ps(q0[d]), b1 = _mm256_set1_ps(q1[d]);
-        const float* k = kt + d * kKeyChunk + j0;
-        for (int v = 0; v < 4; ++v) {
-          const __m256 kv = _mm256_loadu_ps(k + 8 * v);
-          a0[v] = _mm256_fmadd_ps(b0, kv, a0[v]);
-          a1[v] = _mm256_fmadd_ps(b1, kv, a1[v]);
-        }
-      }
+      fma_two_rows<4>(q0, q1, D, k, 4, a0, a1);
     } else {
-      for (int64_t d = 0; d < D; ++d) {
-        const __m256 b0 = _mm256_set1_ps(q0[d]), b1 = _mm256_set1_ps(q1[d]);
-        const float* k = kt + d * kKeyChunk + j0;
-        for (int64_t v = 0; v < vecs; ++v) {
-          const __m256 kv = _mm256_loadu_ps(k + 8 * v);
-          a0[v] = _mm256_fmadd_ps(b0, kv, a0[v]);
-          a1[v] = _mm256_fmadd_ps(b1, kv, a1[v]);
-        }
-      }
+      fma_two_rows<0>(q0, q1, D, k, vecs, a0, a1);
     }
     for (int64_t v = 0; v < vecs; ++v) {
       _mm256_storeu_ps(s0 + j0 + 8 * v, a0[v]);
@@ -451,9 +304,9 @@ inline void scores_two_rows(const float* q0, const float* q1, const float* kt, i
 template <int T>
 void prefill_item(const PrefillArgs& a, const PrefillItem& it, PrefillScratch& w) {
   const int64_t D = a.head_dim, group = a.num_heads / a.num_kv_heads;
-  const int64_t q0 = a.query_start_loc[it.seq], q_len = a.query_start_loc[it.seq + 1] - q0;
-  const int64_t seq_len = a.seq_lens[it.seq], first_pos = seq_len - q_len;
-  const int64_t rows = it.rows * group;  // row m: token it.row0 + m / group, query head it.head * group + m % group
+  const PrefillSpan span = prefill_span(a, it);
+  const int64_t lo_pos = span.lo_pos, hi_pos = span.hi_pos;
+  const int64_t rows = it.rows * group;
   const int64_t padded = rows + (rows & 1);  // scores_two_rows writes an even number of rows
   w.qf.assign(padded * D, 0.0f);
   w.acc.assign(rows * D, 0.0f);
@@ -462,20 +315,11 @@ void prefill_item(const PrefillArgs& a, const PrefillItem& it, PrefillScratch& w
   w.kt.resize(D * kKeyChunk);
   w.v.resize(kKeyChunk * D);
   w.p.resize(padded * kKeyChunk);
-  const __m256 scale = _mm256_set1_ps(a.scale);
-  for (int64_t m = 0; m < rows; ++m) {
-    const int64_t hq = it.head * group + m % group;
-    const int64_t src = (q0 + it.row0 + m / group) * a.q_stride_token + hq * a.q_stride_head;
-    load_scaled<T>(a.q, src, D, scale, w.qf.data() + m * D);
-    w.stats[2 * m] = -std::numeric_limits<float>::infinity();
-    w.stats[2 * m + 1] = 0.0f;
-  }
-  const int64_t lo_pos = first_pos + it.row0, hi_pos = lo_pos + it.rows - 1;
-  const int64_t k_lo = a.window > 0 ? std::max<int64_t>(0, lo_pos - a.window + 1) : 0;
-  const int32_t* table = a.block_tables + it.seq * a.table_stride;
-  const int64_t row_elems = a.num_kv_heads * D;
-  for (int64_t base = k_lo / kKeyChunk * kKeyChunk; base <= hi_pos; base += kKeyChunk) {
-    const int64_t n = std::min({kKeyChunk, seq_len - base, hi_pos - base + 1});  // keys some row may see
+  for (int64_t m = 0; m < rows; ++m)
+    load_scaled<T>(a.q, prefill_query_offset(a, it, span.q0, m), D, a.scale, w.qf.data() + m * D);
+  reset_stats(w.stats.data(), rows, 2);
+  for (int64_t base = span.k_lo / kKeyChunk * kKeyChunk; base <= hi_pos; base += kKeyChunk) {
+    const int64_t n = std::min({kKeyChunk, span.seq_len - base, hi_pos - base + 1});  // keys some row may see
     const int64_t keys = (n + 7) / 8 * 8;
     alignas(32) float krow[8];
     for (int64_t j = 0; j < keys; ++j) {
@@ -484,13 +328,11 @@ void prefill_item(const PrefillArgs& a, const PrefillItem& it, PrefillScratch& w
         std::memset(w.v.data() + j * D, 0, D * sizeof(float));
         continue;
       }
-      const int64_t t = base + j;
-      const int64_t off = (static_cast<int64_t>(table[t / a.block_size]) * a.block_size + t % a.block_size) *
-                              row_elems + it.head * D;
+      const int64_t off = prefill_key_offset(a, it, span.table, base + j);
       for (int64_t c = 0; c < D; c += 8) {
-        _mm256_store_ps(krow, load8<T>(a.key_cache, off + c));
+        _mm256_store_ps(krow, load_vec<T>(a.key_cache, off + c));
         for (int64_t e = 0; e < 8; ++e) w.kt[(c + e) * kKeyChunk + j] = krow[e];
-        _mm256_storeu_ps(w.v.data() + j * D + c, load8<T>(a.value_cache, off + c));
+        _mm256_storeu_ps(w.v.data() + j * D + c, load_vec<T>(a.value_cache, off + c));
       }
     }
     for (int64_t m = 0; m < padded; m += 2)
@@ -498,37 +340,27 @@ void prefill_item(const PrefillArgs& a, const PrefillItem& it, PrefillScratch& w
                       w.p.data() + m * kKeyChunk, w.p.data() + (m + 1) * kKeyChunk);
     for (int64_t m = 0; m < rows; ++m) {
       float* s = w.p.data() + m * kKeyChunk;
-      const int64_t pos = lo_pos + m / group;
-      const int64_t last = std::min<int64_t>(n - 1, pos - base);
-      const int64_t first = a.window > 0 ? std::max<int64_t>(0, pos - a.window + 1 - base) : 0;
-      if (last < 0 || first > last) {  // nothing visible in this chunk: the row is unchanged
+      const KeyRange seen = visible_keys(a, lo_pos + m / group, base, n);
+      if (seen.empty()) {  // nothing visible in this chunk: the row is unchanged
         std::memset(s, 0, keys * sizeof(float));
         w.alpha[m] = 1.0f;
         continue;
       }
       if (a.softcap > 0)
-        for (int64_t j = first; j <= last; ++j) s[j] = softcapped(s[j], a.softcap);
-      w.alpha[m] = softmax_step(s, n, first, last, &w.stats[2 * m]);
+        for (int64_t j = seen.first; j <= seen.last; ++j) s[j] = softcapped(s[j], a.softcap);
+      w.alpha[m] = softmax_step(s, n, seen.first, seen.last, &w.stats[2 * m]);
     }
     const float* vb = w.v.data();
     weighted_sum(w.acc.data(), D, w.p.data(), kKeyChunk, w.alpha.data(), rows, n, D,
                  [&](int64_t j) { return vb + j * D; });
   }
-  for (int64_t m = 0; m < rows; ++m) {
-    const int64_t hq = it.head * group + m % group;
-    normalize_row<T>(w.acc.data() + m * D, w.stats[2 * m], w.stats[2 * m + 1], a.sinks, hq, D, a.out,
-                     ((q0 + it.row0 + m / group) * a.num_heads + hq) * D);
-  }
+  finish_prefill_item<T>(a, it, span.q0, rows, w.acc.data(), w.stats.data(), 2);
 }
 
 template <int T>
 void prefill_typed(const PrefillArgs& a, const std::vector<PrefillItem>& items, int num_threads) {
-#pragma omp parallel num_threads(num_threads)
-  {
-    PrefillScratch w;
-#pragma omp for schedule(dynamic, 1)
-    for (size_t k = 0; k < items.size(); ++k) prefill_item<T>(a, items[k], w);
-  }
+  on_pool<PrefillScratch>(items.size(), num_threads,
+                          [&](int64_t k, PrefillScratch& w) { prefill_item<T>(a, items[k], w); });
 }
 
 // ---- Greedy sampling: each logits row's maximum and first maximal index -----------------
@@ -549,14 +381,7 @@ void row_argmax(const float* x, int64_t cols, float* out_max, int64_t* out_idx) 
   }
   bool has_nan = _mm256_movemask_ps(nan) != 0;
   for (int64_t t = j; t < cols; ++t) has_nan |= std::isnan(x[t]);
-  if (has_nan) {  // torch's max propagates NaN; the index is then that of the first NaN
-    for (int64_t t = 0; t < cols; ++t)
-      if (std::isnan(x[t])) {
-        *out_max = x[t];
-        *out_idx = t;
-        return;
-      }
-  }
+  if (has_nan && first_nan(x, cols, out_max, out_idx)) return;
   alignas(32) float lane_max[8];
   alignas(32) int32_t lane_idx[8];
   _mm256_store_ps(lane_max, best);

@@ -8,25 +8,22 @@ Work item = (sequence, context split), covering every KV head. The item folds it
 into a streaming softmax one *partition* (``PARTITION_BLOCKS`` blocks) at a time: all of the
 partition's scores first (q.k over ``head_dim``, vectorized by re-association), then one
 vectorized exp pass (:func:`~kvpage.kernels.numba_math.exp_nonpositive`) and one rescale
-of the accumulators, then p.V. The ``group`` query heads of a KV head share each K/V row
-read (GQA and MQA never expand KV), and a token's rows of all KV heads, contiguous in the
-pool, are read together: with one item per (sequence, KV head), each item read a strided
-slice of every block and the hardware pulled whole blocks into cache once per KV head
-(batch 34 x context 220, bf16, blocks scattered over a pool larger than the caches:
-1.15 ms per layer with one item per KV head, 0.73-0.82 ms with all heads in one item).
+of the accumulators, then p.V (both passes: :func:`_partition_pass`). The ``group`` query
+heads of a KV head share each K/V row read (GQA and MQA never expand KV), and a token's
+rows of all KV heads, contiguous in the pool, are read together: one item per (sequence,
+KV head) would read a strided slice of every block, and the hardware would pull whole
+blocks into cache once per KV head.
 
 Long contexts with few sequences are split along the context (``num_splits`` > 1, as in
-flash-decoding) so both threads have work; each split leaves (max, denominator,
+flash-decoding) so every thread has work; each split leaves (max, denominator,
 unnormalized accumulator) and a second pass combines them.
 
 The kernels release the GIL (``nogil``): a server's event loop keeps streaming while the
 engine thread is inside attention.
 
-Why it is written this way (measured on the 2-core build VM, batch 64 x context 270,
-9 query / 3 KV heads, head_dim 64): indexing flat views with unsigned offsets, and no
-per-token array views, made the kernel 1.5-3x faster than the first version. A row view
+Why flat views with unsigned offsets and no per-token array views: a row view
 ``cache[blk, t, h]`` costs two atomic reference-count updates on the cache's shared
-memory record, a cache line both threads then fight over; signed offsets make numba
+memory record, a cache line all threads then fight over; signed offsets make numba
 emit negative-index wraparound selects that keep LLVM from vectorizing.
 """
 from __future__ import annotations
@@ -106,42 +103,53 @@ def _attend_range(qf, kf, vf, table_row, tok_lo, tok_hi, num_kv_heads, block_siz
         stats[2 * head + 1] = 0.0
     if tok_hi <= tok_lo:
         return
-    row_stride = num_kv_heads * head_dim
     first_block, last_block = tok_lo // block_size, (tok_hi - 1) // block_size
     for pb in range(first_block, last_block + 1, PARTITION_BLOCKS):
         pe = min(pb + PARTITION_BLOCKS, last_block + 1)
+        _partition_pass(qf, kf, table_row, pb, pe, tok_lo, tok_hi, num_kv_heads, block_size, mode, table, scores,
+                        acc, group_size, dim_size, True)
         base = pb * block_size
-        for b in range(pb, pe):
-            blk = table_row[b]
-            for t in range(max(tok_lo - b * block_size, 0), min(tok_hi - b * block_size, block_size)):
-                row = _U((blk * block_size + t) * row_stride)
-                j = b * block_size + t - base
-                for h in range(num_kv_heads):
-                    off = row + _U(h * head_dim)
-                    for g in range(group):
-                        head = h * group + g
-                        x = np.float32(0.0)
-                        qo = _U(head * head_dim)
-                        for d in range(head_dim):
-                            x += qf[qo + _U(d)] * load_f32(kf, off + _U(d), mode, table)
-                        scores[_U(head * part + j)] = x
         j0 = max(tok_lo - base, 0)
         n = min(tok_hi - base, part) - j0
         for head in range(num_heads):
             _softmax_partition(scores, _U(head * part + j0), n, softcap, stats, head, acc, head_dim)
-        for b in range(pb, pe):
-            blk = table_row[b]
-            for t in range(max(tok_lo - b * block_size, 0), min(tok_hi - b * block_size, block_size)):
-                row = _U((blk * block_size + t) * row_stride)
-                j = b * block_size + t - base
-                for h in range(num_kv_heads):
-                    off = row + _U(h * head_dim)
-                    for g in range(group):
-                        head = h * group + g
-                        e = scores[_U(head * part + j)]
-                        ao = _U(head * head_dim)
+        _partition_pass(qf, vf, table_row, pb, pe, tok_lo, tok_hi, num_kv_heads, block_size, mode, table, scores,
+                        acc, group_size, dim_size, False)
+
+
+@njit(cache=True, fastmath=_FASTMATH)
+def _partition_pass(qf, cache, table_row, pb, pe, tok_lo, tok_hi, num_kv_heads, block_size, mode, table, scores,
+                    acc, group_size, dim_size, into_scores):
+    """One pass over the visible tokens ``tok_lo:tok_hi`` of blocks ``pb:pe`` (a partition:
+    its token ``j`` is column ``j`` of each query head's ``scores`` row) and every query head.
+
+    ``into_scores``: ``cache`` is K, and each score becomes q.k. Otherwise ``cache`` is V,
+    and each token's V row, times its (exponentiated) score, is added to ``acc``. Called
+    with a constant flag, so each pass compiles to its own loop nest.
+    """
+    group, head_dim = len(group_size), len(dim_size)
+    part = PARTITION_BLOCKS * block_size
+    row_stride = num_kv_heads * head_dim
+    base = pb * block_size
+    for b in range(pb, pe):
+        blk = table_row[b]
+        for t in range(max(tok_lo - b * block_size, 0), min(tok_hi - b * block_size, block_size)):
+            row = _U((blk * block_size + t) * row_stride)
+            j = b * block_size + t - base
+            for h in range(num_kv_heads):
+                off = row + _U(h * head_dim)
+                for g in range(group):
+                    head = h * group + g
+                    ho = _U(head * head_dim)
+                    if into_scores:
+                        x = np.float32(0.0)
                         for d in range(head_dim):
-                            acc[ao + _U(d)] += e * load_f32(vf, off + _U(d), mode, table)
+                            x += qf[ho + _U(d)] * load_f32(cache, off + _U(d), mode, table)
+                        scores[_U(head * part + j)] = x
+                    else:
+                        e = scores[_U(head * part + j)]
+                        for d in range(head_dim):
+                            acc[ho + _U(d)] += e * load_f32(cache, off + _U(d), mode, table)
 
 
 @njit(cache=True, fastmath=_FASTMATH)

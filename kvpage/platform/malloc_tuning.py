@@ -4,19 +4,15 @@ A CPU forward allocates and frees the same large tensors every step (activations
 2048-token prefill chunk are megabytes each; a decode step's logits are ``S x vocab``
 floats). glibc's malloc serves blocks above its mmap threshold with a fresh ``mmap`` and
 returns them with ``munmap``, and trims the heap's free top back to the kernel, so the next
-step touches new pages: the kernel zeroes each one on its first write. On this project's
-2-core VM a run of the vs-vLLM workload (bf16, compiled) took 0.7-0.9 million page faults
-per pass and spent 1.4-3.5 s of its ~20 CPU-seconds in the kernel doing that; with the
-settings below, 0.5-50 thousand faults and 0.05-1.7 s after the first pass (the VM's
-memory reclaim still faults some retained pages back in), and 13-16 % more tokens/s.
+step touches new pages: the kernel zeroes each one on its first write (docs/performance.md
+has the measurements).
 
 ``keep_freed_memory()`` raises glibc's mmap threshold to its maximum (32 MiB on 64-bit),
 its trim threshold to ``KEEP_BYTES`` and its top pad to ``TOP_PAD_BYTES``, so freed blocks
-go back to malloc's free lists and are reused. The cost is resident memory: the process keeps up to its step's peak of
-activations after a step, as a caching allocator would (vLLM's CPU build reaches the same
-end by running under tcmalloc). The engine calls it once when it builds a CPU model;
-``KVPAGE_MALLOC_TUNING=0`` turns it off, and any ``MALLOC_*_`` variable the user set is
-left to win. Elsewhere than glibc (musl, a preloaded allocator without ``mallopt``) it
+go back to malloc's free lists and are reused. The cost is resident memory: the process
+keeps up to its step's peak of activations after a step, as a caching allocator would.
+The engine calls it once when it builds a CPU model; ``KVPAGE_MALLOC_TUNING=0`` turns it
+off, and any ``MALLOC_*_`` variable the user set is left to win. Elsewhere than glibc (musl, a preloaded allocator without ``mallopt``) it
 does nothing. Torch-free.
 """
 from __future__ import annotations

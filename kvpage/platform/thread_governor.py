@@ -26,8 +26,7 @@ from typing import Callable, Optional, Sequence
 log = logging.getLogger("kvpage")
 
 #: Seconds between two looks at the CPU counters. A change takes two looks in a row, so a
-#: neighbour that starts with the engine costs about two intervals at the old count; at
-#: 0.5 s that was a sixth of bench_e2e's few-second runs beside a busy process.
+#: neighbour that starts with the engine costs about two intervals at the old count.
 CHECK_INTERVAL_S = 0.25
 #: Seconds of the look an engine takes when it starts (``ThreadGovernor.first_look``): the
 #: counters tick 100 times a second, so this is 40 ticks over two CPUs.
@@ -109,9 +108,8 @@ class ThreadGovernor:
 
     def first_look(self, window_s: float = FIRST_LOOK_S, sleep: Callable[[float], None] = time.sleep) -> int:
         """At start-up: watch the counters for ``window_s`` and apply the count they ask for at
-        once, without waiting for a second look; returns the count in use. An engine started
-        beside a busy neighbour otherwise ran its first two intervals at the full count, where
-        a compiled graph's spinning threads gave about a fifth of one thread's throughput."""
+        once, without waiting for a second look (an engine started beside a busy neighbour
+        would otherwise run its first two intervals at the full count); returns the count in use."""
         start = self._sample()
         sleep(window_s)
         self._last = self._sample()

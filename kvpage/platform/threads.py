@@ -10,22 +10,16 @@ engine therefore sets both to the same count once, at start-up:
 * else the CPUs this process may run on: its affinity mask, capped by a cgroup v2 CPU
   quota (``/sys/fs/cgroup/cpu.max``), at least 1.
 
-Spinning: both pools are GNU OpenMP here (two copies of it), whose idle workers spin
-before they sleep. ``OMP_WAIT_POLICY=PASSIVE`` made no difference on an idle machine and
-``GOMP_SPINCOUNT`` tuning helped idle but collapsed under a competing process, so the
-defaults are left alone; both variables are honoured when the user sets them. While another
-process keeps some of those CPUs busy, ``thread_governor`` lowers the count between steps.
+Both pools are GNU OpenMP here; ``OMP_WAIT_POLICY`` and ``GOMP_SPINCOUNT`` are left at their
+defaults unless the user sets them. While another process keeps some of those CPUs busy,
+``thread_governor`` lowers the count between steps.
 
 Handing the forward to another thread (a server's engine thread): GNU OpenMP keeps one
 worker pool per thread that ever started a parallel region, and while it manages more
 threads than there are CPUs it stops spinning between regions, so every region then waits
-for its workers to wake from the kernel. A model loaded and warmed up in the main thread and
-stepped in an engine thread had two pools per runtime; a bf16 decode step at batch 16 ran
-1.5-2.5x slower than in the main thread (a 576x1536 linear: 130 us in the main thread,
-230-370 us in a second thread, 130-140 us there once the main thread's pool was released).
-``release_thread_pools`` frees the calling thread's idle pools before the hand-off, and
-``set_compute_threads`` must run in the new thread too, since numba's count is per thread.
-Torch-free at import.
+for its workers to wake from the kernel. ``release_thread_pools`` frees the calling
+thread's idle pools before the hand-off, and ``set_compute_threads`` must run in the new
+thread too, since numba's count is per thread. Torch-free at import.
 """
 from __future__ import annotations
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 from typing import Optional
 
 from kvpage.core.kv.kv_groups import KVCacheGroups
-from kvpage.storage.kv_storage import KVCacheSpec, determine_num_blocks, kv_sizing_rule
+from kvpage.storage.sizing import determine_num_blocks, kv_sizing_rule
+from kvpage.storage.spec import KVCacheSpec
 
 
 def group_rows(spec: KVCacheSpec, groups: KVCacheGroups, max_model_len: int) -> list[dict]:

@@ -11,24 +11,26 @@ applies.
 
 With several KV groups (``kv_groups``: a hybrid model's full and sliding-window layers)
 a request holds one table per group, all covering the same token positions and grown
-together from the one pool. In a sliding group the blocks behind the window go back to
-the pool (``release_out_of_window``), or, if cached, stay in the prefix cache as
-evictable; their table entries become padding.
+together from the one pool. ``KVCacheManager`` coordinates one manager per kind
+(``kind_managers``: full attention, sliding window, recurrent state) and the prefix-cache
+side (``prefix_hits``: matching, locking, host loads, offering filled blocks).
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional, Sequence
 
 from kvpage.core.kv.block_pool import BlockPool
+from kvpage.core.kv.kind_managers import GroupManager, KVKindManager, RecurrentStateManager, group_manager
 from kvpage.core.kv.kv_groups import blocks_per_request, cdiv, groups_of_windows
-from kvpage.core.kv.radix_cache import PrefixMatch, RadixCache
-from kvpage.core.request import Request
+from kvpage.core.kv.prefix_hits import PrefixHits
+from kvpage.core.kv.radix_cache import RadixCache
+from kvpage.core.kv.radix_node import PrefixMatch
 from kvpage.core.kv.state_slots import StateSlotPool
+from kvpage.core.request import Request
 
 if TYPE_CHECKING:
     from kvpage.core.offload.kv_offload import KVOffloadManager
-
-_NO_HIT = PrefixMatch((), 0)
+    from kvpage.core.offload.kv_transfers import DiskOp
 
 
 class KVCacheManager:
@@ -46,17 +48,21 @@ class KVCacheManager:
         if state_slots is not None and (prefix_cache is not None or offload is not None):
             raise ValueError("recurrent state cannot be rebuilt from cached KV blocks: state slots need "
                              "enable_prefix_caching off and no KV tiers")
-        self.state_slots = state_slots
-        self.pending_state_copies: list[tuple[int, int]] = []  # (src, dst) slot copies owed by forks
-        self.pool = pool
-        self.prefix_cache = prefix_cache
-        self.offload = offload
-        self.block_size = pool.block_size
         self.groups = groups_of_windows(windows)
         if offload is not None and len(self.groups) > 1:
             raise ValueError("the lower KV tiers keep one block table per request: they need a single KV group")
+        self.pool = pool
+        self.block_size = pool.block_size
         self.num_groups = len(self.groups)
         self.sliding_groups = tuple(g for g, group in enumerate(self.groups) if group.is_sliding)
+        self.hits = PrefixHits(pool, prefix_cache, offload)
+        self._group_managers: tuple[GroupManager, ...] = tuple(
+            group_manager(g, group, pool) for g, group in enumerate(self.groups))
+        self._sliding_managers = tuple(self._group_managers[g] for g in self.sliding_groups)
+        self._state = RecurrentStateManager(state_slots) if state_slots is not None else None
+        # Every kind a request holds, in fork order: the state slot first (a fork may fail there).
+        self._kinds: tuple[KVKindManager, ...] = (*((self._state,) if self._state is not None else ()),
+                                                  *self._group_managers)
         self.num_pool_hit_tokens = 0  # tokens served by pool blocks, over every admission
 
     # ------------------------------------------------------------------ admission
@@ -65,28 +71,15 @@ class KVCacheManager:
 
         Does not lock the blocks: pass the match to ``allocate_slots`` in the same step.
         """
-        if self.prefix_cache is None:
-            return _NO_HIT
-        # The last token must run through the model to produce logits, so a prompt whose
-        # every block is cached gives back its last block.
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        pool = self.prefix_cache.match_prefix(
-            request.all_token_ids, request.namespace, max_blocks=max_blocks, record=False
-        )
-        if self.offload is None or len(pool.block_ids) >= max_blocks:
-            return pool
-        # Past the tree the chain continues in the lower tiers, looked up by block hash.
-        hashes = request.full_block_hashes(max_blocks, self.block_size)[len(pool.block_ids):]
-        lower = self.offload.lookup(hashes)
-        return PrefixMatch(pool.block_ids, pool.num_tokens + len(lower.ready) * self.block_size,
-                           lower.ready, lower.fetch, lower.pending)
+        return self.hits.match(request)
 
     def num_blocks_needed(self, request: Request, num_new_tokens: int, hit: Optional[PrefixMatch] = None) -> int:
         """Fresh blocks ``allocate_slots`` would take (including a copy-on-write copy)."""
         held = max(len(request.block_ids), len(hit.block_ids) if hit else 0)
         computed = max(request.num_computed_tokens, hit.num_tokens if hit else 0)
         needed = cdiv(computed + num_new_tokens, self.block_size) - held
-        copies = sum(self._needs_copy(request, g, num_new_tokens) for g in range(len(request.block_tables)))
+        # A blockless request (tables maybe not yet one per group) has nothing to copy.
+        copies = sum(m.needs_copy(request, num_new_tokens) for m in self._group_managers) if request.block_ids else 0
         return max(needed, 0) * self.num_groups + copies
 
     def allocate_slots(self, request: Request, num_new_tokens: int, hit: Optional[PrefixMatch] = None) -> bool:
@@ -100,98 +93,90 @@ class KVCacheManager:
         Returns False, changing nothing else, when the pool cannot supply the blocks (or,
         with state slots, a request without one finds none free).
         """
-        tables = request.block_tables
-        slots = self.state_slots
-        if slots is not None and request.state_slot is None and slots.num_free == 0:
+        state = self._state
+        if state is not None and not state.has_room(request):
             return False
-        if num_new_tokens == 1 and hit is None:
-            # Fast path for most decodes: the token lands inside a private, partly filled block.
-            index, offset = divmod(request.num_computed_tokens, self.block_size)
-            if offset and all(self.pool.ref_count(table[index]) == 1 for table in tables):
-                for table in tables:
-                    self.pool.raise_fill(table[index], offset + 1)
-                return True
-        if len(tables) != self.num_groups:
-            if any(tables):
-                raise ValueError(f"request {request.request_id!r} holds {len(tables)} block tables, "
-                                 f"this cache has {self.num_groups} groups")
-            request.block_tables = tables = [[] for _ in self.groups]
-            request.released_blocks = [0] * self.num_groups
-        if self.sliding_groups:
-            self.release_out_of_window(request)
-        if hit is not None and hit.num_tokens:
-            if request.block_ids:
-                raise ValueError(
-                    f"request {request.request_id!r} already holds blocks; a prefix hit applies only at admission"
-                )
-            if not self._take_hit(request, num_new_tokens, hit):
-                return False
+        if num_new_tokens == 1 and hit is None and self._decode_in_place(request):
+            return True
+        self._ensure_tables(request)
+        for manager in self._sliding_managers:
+            manager.release_out_of_window(request)
+        if hit is not None and hit.num_tokens and not self._take_hit(request, num_new_tokens, hit):
+            return False
         start = request.num_computed_tokens
         end = start + num_new_tokens
-        missing = cdiv(end, self.block_size) - len(request.block_ids)  # the same in every group
-        copies = [g for g in range(self.num_groups) if self._needs_copy(request, g, num_new_tokens)]
-        if missing > 0 or copies:
-            if max(missing, 0) * self.num_groups + len(copies) > self.pool.num_free_blocks:
-                return False
-            for g in copies:
-                self._copy_on_write(request, g)
-            if missing > 0:
-                for g, table in enumerate(tables):
-                    table.extend(self.pool.allocate(missing, g))
+        if not self._grow(request, num_new_tokens):
+            return False
         if hit is not None and hit.load_hashes:
-            first = len(hit.block_ids)
-            self.offload.plan_loads(hit.load_hashes, request.block_ids[first : first + len(hit.load_hashes)])
-            start = first * self.block_size  # the loaded blocks are full too
-        self._update_fill(request, start, end)
-        if slots is not None and request.state_slot is None:
-            request.state_slot = slots.allocate()
+            start = self.hits.plan_host_loads(request, hit)  # the loaded blocks are full too
+        for manager in self._group_managers:
+            manager.raise_fill(request, start, end)
+        if state is not None:
+            state.attach(request)
         return True
+
+    def _decode_in_place(self, request: Request) -> bool:
+        """The fast path of most decodes: if the one new token lands inside a private, partly
+        filled block of every group, record it there and return True (nothing allocated)."""
+        index, offset = divmod(request.num_computed_tokens, self.block_size)
+        if not offset:
+            return False
+        pool = self.pool
+        tables = request.block_tables
+        if not all(pool.ref_count(table[index]) == 1 for table in tables):
+            return False
+        for table in tables:
+            pool.raise_fill(table[index], offset + 1)
+        return True
+
+    def _ensure_tables(self, request: Request) -> None:
+        """Give a request that never held blocks one (empty) table per group."""
+        if len(request.block_tables) == self.num_groups:
+            return
+        if any(request.block_tables):
+            raise ValueError(f"request {request.request_id!r} holds {len(request.block_tables)} block tables, "
+                             f"this cache has {self.num_groups} groups")
+        request.block_tables = [[] for _ in self.groups]
+        request.released_blocks = [0] * self.num_groups
 
     def _take_hit(self, request: Request, num_new_tokens: int, hit: PrefixMatch) -> bool:
         """Lock the hit's pool blocks and its host entries, or change nothing and return False."""
+        if request.block_ids:
+            raise ValueError(
+                f"request {request.request_id!r} already holds blocks; a prefix hit applies only at admission"
+            )
+        locked = self.hits.blocks_to_lock(hit)
         # Locking an idle cached block takes it out of the free count just like a fresh one.
-        locked = [*hit.block_ids, *(b for _, blocks in hit.group_blocks for b in blocks)]
         idle_hits = sum(1 for b in locked if self.pool.ref_count(b) == 0)
         if self.num_blocks_needed(request, num_new_tokens, hit) + idle_hits > self.pool.num_free_blocks:
             return False
-        if hit.load_hashes:
-            self.offload.pin_for_load(hit.load_hashes)  # before an allocation's evictions reach the host tier
-        self.pool.incref(locked)  # lock before any allocation can evict them
-        request.block_ids.extend(hit.block_ids)
-        for g, (first, blocks) in enumerate(hit.group_blocks, start=1):
-            # A sliding group's hit starts at its window: the blocks before it are padding.
-            request.block_tables[g] = [0] * first + list(blocks)
-            request.released_blocks[g] = first
-        request.num_computed_tokens = request.num_cached_tokens = hit.num_tokens
-        request.num_inserted_blocks = len(hit.block_ids)
+        self.hits.lock(request, hit, locked)
         self.num_pool_hit_tokens += len(hit.block_ids) * self.block_size
         return True
 
-    def _needs_copy(self, request: Request, group: int, num_new_tokens: int) -> bool:
-        """True when the new tokens land in a partially filled block of ``group`` that
-        someone else also holds."""
-        offset = request.num_computed_tokens % self.block_size
-        table = request.block_tables[group]
-        if num_new_tokens <= 0 or offset == 0 or not table:
+    def _grow(self, request: Request, num_new_tokens: int) -> bool:
+        """Give every group blocks up to position ``num_computed_tokens + num_new_tokens``,
+        first copying a shared partial block the new tokens land in; False, changing
+        nothing, when the pool is short.
+
+        Blocks of one group's table, in tokens::
+
+            | held: len(block_ids) * bs | missing: appended in every group |
+            0                                          cdiv(end, bs) * bs
+        """
+        end = request.num_computed_tokens + num_new_tokens
+        missing = cdiv(end, self.block_size) - len(request.block_ids)  # the same in every group
+        copies = [m for m in self._group_managers if m.needs_copy(request, num_new_tokens)]
+        if missing <= 0 and not copies:
+            return True
+        if max(missing, 0) * self.num_groups + len(copies) > self.pool.num_free_blocks:
             return False
-        return self.pool.ref_count(table[request.num_computed_tokens // self.block_size]) > 1
-
-    def _copy_on_write(self, request: Request, group: int) -> None:
-        table = request.block_tables[group]
-        index = request.num_computed_tokens // self.block_size
-        shared = table[index]
-        (private,) = self.pool.allocate(1, group)
-        self.pool.set_fill(private, self.pool.fill(shared))
-        self.pool.free([shared])
-        table[index] = private
-        # A block id means the same tokens in every buffer, so one copy serves any group.
-        request.pending_block_copies.append((shared, private))
-
-    def _update_fill(self, request: Request, start: int, end: int) -> None:
-        bs = self.block_size
-        for table in request.block_tables:
-            for index in range(start // bs, cdiv(end, bs)):
-                self.pool.raise_fill(table[index], min(end - index * bs, bs))
+        for manager in copies:
+            manager.copy_on_write(request)
+        if missing > 0:
+            for manager in self._group_managers:
+                manager.append_blocks(request, missing)
+        return True
 
     # ------------------------------------------------------------------ sliding windows
     def release_out_of_window(self, request: Request) -> None:
@@ -200,22 +185,13 @@ class KVCacheManager:
 
         A cached one stays in the prefix cache, evictable; the entries become padding.
         """
-        for g in self.sliding_groups:
-            table = request.block_tables[g]
-            first = min(self.groups[g].first_needed_block(request.num_computed_tokens, self.block_size), len(table))
-            released = request.released_blocks[g]
-            if first > released:
-                self.pool.free(table[released:first])
-                table[released:first] = [0] * (first - released)
-                request.released_blocks[g] = first
+        for manager in self._sliding_managers:
+            manager.release_out_of_window(request)
 
     def group_stats(self) -> list[dict]:
         """Per group: its window (``None``: full), blocks its requests hold, the share of the
         pool that is, and the share of their token slots holding no token."""
-        pool = self.pool
-        return [{"sliding_window": group.sliding_window, "num_used_blocks": pool.tag_num_used_blocks(g),
-                 "usage": pool.tag_usage(g), "fragmentation": pool.tag_fragmentation(g)}
-                for g, group in enumerate(self.groups)]
+        return [manager.stats() for manager in self._group_managers]
 
     def blocks_held(self, num_tokens: int, chunk_tokens: int = 1) -> int:
         """Most blocks one request of ``num_tokens`` tokens holds over all groups while a
@@ -225,8 +201,7 @@ class KVCacheManager:
     def take_state_copies(self) -> list[tuple[int, int]]:
         """(src, dst) state-slot copies the runner performs, in order, before the next
         forward; each is handed out once."""
-        copies, self.pending_state_copies = self.pending_state_copies, []
-        return copies
+        return self._state.take_copies() if self._state is not None else []
 
     @staticmethod
     def take_pending_copies(requests: Sequence[Request]) -> list[tuple[int, int]]:
@@ -248,63 +223,32 @@ class KVCacheManager:
         already read these blocks. If the step fails, pass the returned blocks to
         ``RadixCache.discard`` once their holders are gone.
         """
-        if self.prefix_cache is None:
-            return []
-        num_full = min((request.num_computed_tokens + num_new_tokens) // self.block_size, len(request.block_ids))
-        start = request.num_inserted_blocks
-        if num_full <= start:
-            return []
-        # Resume after the blocks already offered: re-walking the whole prefix every time a
-        # block fills would cost O(context) per decode block.
-        added = self.prefix_cache.insert(
-            request.all_token_ids, request.block_ids[:num_full], request.namespace, start_block=start,
-            group_tables=request.block_tables[1:],
-        )
-        request.num_inserted_blocks = num_full
-        return request.block_ids[start : start + added]
+        return self.hits.offer(request, num_new_tokens)
 
-    def plan_disk_saves(self, block_ids: Sequence[int]) -> list:
+    def plan_disk_saves(self, block_ids: Sequence[int]) -> list["DiskOp"]:
         """Disk ops saving those of ``block_ids`` (head first) that are still cached and not
         on disk yet (``KVOffloadManager.plan_saves``); call after their step succeeded."""
-        blocks = []
-        for block_id in block_ids:
-            cached = self.prefix_cache.cached_block(block_id)
-            if cached is not None:
-                block_hash, parent, token_ids = cached
-                blocks.append((block_hash, block_id, parent, token_ids))
-        return self.offload.plan_saves(blocks)
+        return self.hits.plan_disk_saves(block_ids)
 
     # ------------------------------------------------------------------ release
     def free(self, request: Request) -> None:
-        """Drop all the request's blocks, tail first, and reset its KV progress."""
-        for g in range(len(request.block_tables)):
-            held = request.held_blocks(g)
-            if held:
-                self.pool.free(held[::-1])
+        """Drop all the request's blocks, tail first, and its state slot; reset its KV progress."""
+        if request.block_ids or request.state_slot is not None:  # else it holds nothing
+            for manager in self._kinds:
+                manager.free(request)
         request.block_tables = [[] for _ in request.block_tables]
         request.released_blocks = [0] * len(request.block_tables)
         request.pending_block_copies = []  # the copied-into block was freed with the rest
-        if request.state_slot is not None:
-            self.state_slots.free(request.state_slot)
-            request.state_slot = None
         request.num_computed_tokens = 0
         request.num_inserted_blocks = 0
 
     def fork(self, parent: Request, child: Request) -> None:
-        """Share all of ``parent``'s blocks with ``child`` (which must hold none)."""
+        """Share all of ``parent``'s blocks with ``child`` (which must hold none); with state
+        slots the child gets its own, copied from the parent's before the next forward."""
         if any(child.block_tables):
             raise ValueError(f"fork target {child.request_id!r} already holds blocks")
-        if self.state_slots is not None:
-            slot = self.state_slots.allocate()
-            if slot is None:
-                raise ValueError(f"cannot fork {parent.request_id!r}: every recurrent-state slot is held")
-            child.state_slot = slot
-            # Run before the next step's forward, whether or not the child runs in it: the
-            # parent's state moves on at its next token. In fork order, so a fork of a fork
-            # copies after its parent was filled.
-            self.pending_state_copies.append((parent.state_slot, slot))
-        for g in range(len(parent.block_tables)):
-            self.pool.incref(parent.held_blocks(g))
+        for manager in self._kinds:
+            manager.fork(parent, child)
         child.block_tables = [list(table) for table in parent.block_tables]
         child.released_blocks = list(parent.released_blocks)
         child.num_computed_tokens = parent.num_computed_tokens

@@ -12,11 +12,12 @@ Contract with users of ``match_prefix``:
   * ``insert`` only takes blocks whose KV has been fully written.
 
 Eviction is LRU over idle leaves: a min-heap of (last access, node) with lazy
-invalidation, so one eviction costs O(log n) rather than a rescan of all leaves.
+invalidation (``eviction_heap``), so one eviction costs O(log n) rather than a rescan of
+all leaves.
 
 With several KV groups (a hybrid model: ``kv_groups``) the tree is keyed on group 0 (full
 attention): a node exists while its group-0 block is cached, and it also records the
-blocks of the other groups for the same tokens (``group_blocks``). Those of another full
+blocks of the other groups for the same tokens (``radix_groups``). Those of another full
 group live and die with the node. Those of a sliding group are evicted on their own (their
 holders released them once they fell behind the window), which leaves holes. A hit of
 ``k`` blocks therefore needs (vLLM's rule): every full group holds blocks ``[0, k)`` (the
@@ -34,61 +35,18 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Hashable, Optional, Sequence
 
-from kvpage.core.block_hash import BlockHash, chain_hashes, external_hash, namespace_root
+from kvpage.core.block_hash import BlockHash, external_hash, namespace_root
 from kvpage.core.kv.block_pool import BlockPool
-from kvpage.core.kv_events import MEDIUM_POOL, KVEventLog
+from kvpage.core.kv.eviction_heap import EvictionHeap
 from kvpage.core.kv.kv_groups import groups_of_windows
+from kvpage.core.kv.radix_groups import GroupBlocks
+from kvpage.core.kv.radix_node import BlockKey, PrefixMatch, RadixNode, node_hash, parent_hash
+from kvpage.core.kv_events import MEDIUM_POOL, KVEventLog
 
 if TYPE_CHECKING:
     from kvpage.core.offload.kv_offload import KVOffloadManager
-
-BlockKey = tuple  # the block_size token ids of one full block
-
-
-class _Node:
-    __slots__ = ("key", "block_id", "parent", "children", "last_access", "block_hash", "group_blocks")
-
-    def __init__(self, key: Optional[BlockKey], block_id: Optional[int], parent: Optional["_Node"],
-                 block_hash: Optional[BlockHash] = None, group_blocks: Optional[list] = None) -> None:
-        self.key = key
-        self.block_id = block_id  # group 0's block
-        self.parent = parent
-        self.children: dict[BlockKey, _Node] = {}
-        self.last_access = 0
-        self.block_hash = block_hash  # a root's is its namespace's; a block's is filled in lazily
-        # Groups 1.. (hybrid models only): each group's block for these tokens, or None once
-        # a sliding group's block was evicted.
-        self.group_blocks = group_blocks
-
-
-@dataclass(frozen=True, slots=True)
-class PrefixMatch:
-    """Cached full blocks covering the first ``num_tokens`` tokens of a query.
-
-    Block regions of the match (``bs`` = block_size)::
-
-        | block_ids (in the pool) | load_hashes (host tier) | fetch / pending (disk) |
-        0                                                   num_tokens
-
-    ``num_tokens`` covers the pool blocks and ``load_hashes``: the blocks a step can use
-    now. ``fetch_hashes`` (disk-only) and ``pending_hashes`` (being read from disk) follow;
-    a request that waits for them can continue the match further (see ``Scheduler``).
-    """
-
-    block_ids: tuple[int, ...]
-    num_tokens: int
-    load_hashes: tuple = ()
-    fetch_hashes: tuple = ()
-    pending_hashes: tuple = ()
-    # Groups 1.. (hybrid models): (first block index, block ids from there to the hit's end).
-    group_blocks: tuple = ()
-
-    @property
-    def waits_for_disk(self) -> bool:
-        return bool(self.fetch_hashes or self.pending_hashes)
 
 
 class RadixCache:
@@ -102,12 +60,11 @@ class RadixCache:
         self.events = events or KVEventLog()
         self.block_size = pool.block_size
         self.groups = groups_of_windows(windows)
-        self._roots: dict[Hashable, _Node] = {}
-        self._node_of_block: dict[int, _Node] = {}
-        self._group_of_block: dict[int, tuple] = {}  # a cached block of group g >= 1 -> (node, g)
+        self._roots: dict[Hashable, RadixNode] = {}
+        self._node_of_block: dict[int, RadixNode] = {}
+        self._group_blocks = GroupBlocks(pool, self.groups)  # blocks of groups 1..
         self._clock = itertools.count(1)
-        self._heap: list[tuple[int, int, _Node, int]] = []  # (last access, tiebreak, node, group)
-        self._tiebreak = itertools.count()
+        self._heap = EvictionHeap()
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
         self.num_evicted_blocks = 0
@@ -117,7 +74,7 @@ class RadixCache:
     @property
     def num_cached_blocks(self) -> int:
         """Cached pool blocks, of every group."""
-        return len(self._node_of_block) + len(self._group_of_block)
+        return len(self._node_of_block) + len(self._group_blocks)
 
     @property
     def hit_rate(self) -> float:
@@ -141,7 +98,7 @@ class RadixCache:
         while stack:
             node = stack.pop()
             for child in node.children.values():
-                found.append((child.last_access, external_hash(self.hash_of(child))))
+                found.append((child.last_access, external_hash(node_hash(child, self.block_size))))
                 stack.append(child)
         if max_blocks is not None and len(found) > max_blocks:
             found = heapq.nlargest(max_blocks, found)
@@ -151,13 +108,8 @@ class RadixCache:
         bs = self.block_size
         return [tuple(tokens[i * bs : (i + 1) * bs]) for i in range(num_blocks)]
 
-    def match_prefix(
-        self,
-        tokens: Sequence[int],
-        namespace: Hashable = None,
-        max_blocks: Optional[int] = None,
-        record: bool = True,
-    ) -> PrefixMatch:
+    def match_prefix(self, tokens: Sequence[int], namespace: Hashable = None, max_blocks: Optional[int] = None,
+                     record: bool = True) -> PrefixMatch:
         """Longest run of cached full blocks that prefixes ``tokens``.
 
         Touches the matched nodes for LRU. With ``record`` the query counts toward the
@@ -167,7 +119,7 @@ class RadixCache:
         if max_blocks is not None:
             limit = min(limit, max_blocks)
         node = self._roots.get(namespace)
-        path: list[_Node] = []
+        path: list[RadixNode] = []
         if node is not None:
             for key in self._block_keys(tokens, limit):
                 child = node.children.get(key)
@@ -175,41 +127,15 @@ class RadixCache:
                     break
                 path.append(child)
                 node = child
-        hit = self._sliding_hit(path) if len(self.groups) > 1 else len(path)
+        hit = self._group_blocks.hit_length(path) if len(self.groups) > 1 else len(path)
         now = next(self._clock)
         for child in path[:hit]:
             child.last_access = now
         match = PrefixMatch(tuple(n.block_id for n in path[:hit]), hit * self.block_size,
-                            group_blocks=self._group_hit(path, hit))
+                            group_blocks=self._group_blocks.hit_blocks(path, hit))
         if record:
             self.record_query(len(tokens), match.num_tokens)
         return match
-
-    def _sliding_hit(self, path: Sequence[_Node]) -> int:
-        """The longest prefix of ``path`` (blocks) whose sliding groups hold the window before
-        its end; right to left, as the cache's contract states."""
-        sliding = [(g, group) for g, group in enumerate(self.groups) if group.is_sliding]
-        # runs[g][i]: consecutive blocks of group g present up to and including path[i].
-        runs = {}
-        for g, _ in sliding:
-            run, count = [], 0
-            for node in path:
-                count = count + 1 if node.group_blocks[g - 1] is not None else 0
-                run.append(count)
-            runs[g] = run
-        for k in range(len(path), 0, -1):
-            if all(runs[g][k - 1] >= k - group.first_needed_block(k * self.block_size, self.block_size)
-                   for g, group in sliding):
-                return k
-        return 0
-
-    def _group_hit(self, path: Sequence[_Node], hit: int) -> tuple:
-        """``PrefixMatch.group_blocks`` of a hit of ``hit`` blocks along ``path``."""
-        out = []
-        for g in range(1, len(self.groups)):
-            first = self.groups[g].first_needed_block(hit * self.block_size, self.block_size)
-            out.append((first, tuple(n.group_blocks[g - 1] for n in path[first:hit])))
-        return tuple(out)
 
     def record_query(self, num_queried_tokens: int, num_hit_tokens: int) -> None:
         self.num_queried_tokens += num_queried_tokens
@@ -242,63 +168,74 @@ class RadixCache:
         if len(tokens) < len(block_ids) * self.block_size:
             raise ValueError(f"{len(block_ids)} full blocks need {len(block_ids) * self.block_size} tokens, got {len(tokens)}")
         now = next(self._clock)
-        foreign = False  # walking nodes whose group-0 blocks are another holder's
-        if start_block > 0:
-            node = self._node_of_block.get(block_ids[start_block - 1])
-            if node is None and group_tables:
-                node, foreign = self._walk(tokens, namespace, start_block), True
-            if node is None:
-                return 0  # an earlier insert stopped before this block; it stops there again
-            ancestor = node
-            while ancestor.block_id is not None:  # the path is in use again: touch it for LRU
-                ancestor.last_access = now
-                ancestor = ancestor.parent
-        else:
-            node = self._roots.get(namespace)
-            if node is None:
-                node = self._roots[namespace] = _Node(None, None, None, namespace_root(namespace))
+        resumed = self._resume_point(tokens, block_ids, namespace, start_block, bool(group_tables), now)
+        if resumed is None:
+            return 0  # an earlier insert stopped before this block; it stops there again
+        node, foreign = resumed  # foreign: walking nodes whose group-0 blocks are another holder's
         added = 0
         bs = self.block_size
         for index in range(start_block, len(block_ids)):
             key = tuple(tokens[index * bs : (index + 1) * bs])
-            block_id = block_ids[index]
             child = node.children.get(key)
-            if child is not None and child.block_id != block_id:
+            if child is None:
+                child = self._add_node(node, key, block_ids[index], group_tables, index, foreign)
+                if child is None:
+                    break
+                added += 1
+            elif child.block_id != block_ids[index]:
                 if not group_tables:
                     break
-                self._adopt_group_blocks(child, group_tables, index)
+                self._group_blocks.adopt(child, group_tables, index, self._node_of_block)
                 foreign = True
-            elif child is None:
-                # Hanging our next block under someone else's would let that block go idle
-                # (counted as free) while an in-use child pins it: eviction only takes
-                # leaves, so the pool would promise blocks it cannot produce.
-                if foreign or block_id in self._node_of_block:
-                    break  # (or: already cached under another prefix; one block, one identity)
-                child = _Node(key, block_id, node)
-                if group_tables and not self._attach_group_blocks(child, group_tables, index):
-                    break
-                node.children[key] = child
-                self._node_of_block[block_id] = child
-                self.pool.mark_cached(block_id)
-                added += 1
             child.last_access = now
             node = child
         if added and self.events.enabled:
             self._log_stored(node, added)  # new nodes have no children: they end the walk
         return added
 
-    def _attach_group_blocks(self, node: _Node, group_tables: Sequence[Sequence[int]], index: int) -> bool:
-        """Cache the holder's group blocks at ``index`` with the new ``node``; False (nothing
-        cached) if one is cached under another prefix already."""
-        blocks = [table[index] for table in group_tables]
-        if any(b in self._group_of_block or b in self._node_of_block for b in blocks):
-            return False
-        node.group_blocks = [None] * len(blocks)
-        for g, b in enumerate(blocks, start=1):
-            self._cache_group_block(node, g, b)
-        return True
+    def _resume_point(self, tokens: Sequence[int], block_ids: Sequence[int], namespace: Hashable,
+                      start_block: int, hybrid: bool, now: int) -> Optional[tuple[RadixNode, bool]]:
+        """Where ``insert`` walks on from: the node of block ``start_block - 1`` (touched for
+        LRU with its ancestors, since the path is in use again) or the namespace's root, and
+        whether that node is another holder's. None: the earlier insert stopped before it."""
+        if start_block == 0:
+            root = self._roots.get(namespace)
+            if root is None:
+                root = self._roots[namespace] = RadixNode(None, None, None, namespace_root(namespace))
+            return root, False
+        node = self._node_of_block.get(block_ids[start_block - 1])
+        foreign = False
+        if node is None and hybrid:
+            node, foreign = self._walk(tokens, namespace, start_block), True
+        if node is None:
+            return None
+        ancestor = node
+        while ancestor.block_id is not None:
+            ancestor.last_access = now
+            ancestor = ancestor.parent
+        return node, foreign
 
-    def _walk(self, tokens: Sequence[int], namespace: Hashable, num_blocks: int) -> Optional[_Node]:
+    def _add_node(self, parent: RadixNode, key: BlockKey, block_id: int, group_tables: Sequence[Sequence[int]],
+                  index: int, foreign: bool) -> Optional[RadixNode]:
+        """Cache ``block_id`` (and its groups' blocks at ``index``) as a new child of ``parent``;
+        None, caching nothing, if a block of it is cached already (one block, one identity)
+        or ``parent`` is another holder's (``foreign``).
+
+        Hanging our block under someone else's would let theirs go idle (counted as free)
+        while our in-use child pins it: eviction only takes leaves, so the pool would
+        promise blocks it cannot produce.
+        """
+        if foreign or block_id in self._node_of_block:
+            return None
+        child = RadixNode(key, block_id, parent)
+        if group_tables and not self._group_blocks.attach(child, group_tables, index, self._node_of_block):
+            return None
+        parent.children[key] = child
+        self._node_of_block[block_id] = child
+        self.pool.mark_cached(block_id)
+        return child
+
+    def _walk(self, tokens: Sequence[int], namespace: Hashable, num_blocks: int) -> Optional[RadixNode]:
         """The node of ``tokens``' first ``num_blocks`` blocks, or None if the path is shorter."""
         node = self._roots.get(namespace)
         for key in self._block_keys(tokens, num_blocks):
@@ -307,57 +244,28 @@ class RadixCache:
             node = node.children.get(key)
         return node
 
-    def _adopt_group_blocks(self, node: _Node, group_tables: Sequence[Sequence[int]], index: int) -> None:
-        """Cache the caller's sliding-group blocks at ``index`` where ``node`` has none."""
-        for g, table in enumerate(group_tables, start=1):
-            block_id = table[index]
-            if (node.group_blocks[g - 1] is None and self.groups[g].is_sliding
-                    and block_id not in self._group_of_block and block_id not in self._node_of_block):
-                self._cache_group_block(node, g, block_id)
-
-    def _cache_group_block(self, node: _Node, group: int, block_id: int) -> None:
-        node.group_blocks[group - 1] = block_id
-        self._group_of_block[block_id] = (node, group)
-        self.pool.mark_cached(block_id)
-
-    def _log_stored(self, last: _Node, count: int) -> None:
+    def _log_stored(self, last: RadixNode, count: int) -> None:
         """One ``BlockStored`` event for the ``count`` new nodes ending at ``last``."""
         path = []
         while len(path) < count:
             path.append(last)
             last = last.parent
         path.reverse()
+        bs = self.block_size
         tokens = list(itertools.chain.from_iterable(n.key for n in path))
-        self.events.stored([self.hash_of(n) for n in path], self._parent_hash(path[0]), tokens,
-                           self.block_size, MEDIUM_POOL)
+        self.events.stored([node_hash(n, bs) for n in path], parent_hash(path[0], bs), tokens, bs, MEDIUM_POOL)
 
     # ------------------------------------------------------------------ hashes
-    def hash_of(self, node: _Node) -> BlockHash:
-        """The node's block hash: chained from the nearest ancestor that has one (memoized)."""
-        if node.block_hash is None:
-            path = []
-            while node.block_hash is None:
-                path.append(node)
-                node = node.parent
-            parent = node.block_hash
-            for n in reversed(path):
-                (parent,) = chain_hashes(parent, n.key, self.block_size)
-                n.block_hash = parent
-            node = path[0]
-        return node.block_hash
-
-    def _parent_hash(self, node: _Node) -> Optional[BlockHash]:
-        parent = node.parent
-        return None if parent.block_id is None else self.hash_of(parent)
-
     def cached_block(self, block_id: int) -> Optional[tuple[BlockHash, Optional[BlockHash], BlockKey]]:
         """(hash, parent hash or None, token ids) of a cached pool block, or None if it is not cached."""
         node = self._node_of_block.get(block_id)
-        return None if node is None else (self.hash_of(node), self._parent_hash(node), node.key)
+        if node is None:
+            return None
+        return node_hash(node, self.block_size), parent_hash(node, self.block_size), node.key
 
     def cached_hashes(self) -> list[BlockHash]:
         """The hash of every cached pool block (for checks and event reconstruction)."""
-        return [self.hash_of(n) for n in self._node_of_block.values()]
+        return [node_hash(n, self.block_size) for n in self._node_of_block.values()]
 
     # ------------------------------------------------------------------ eviction
     def on_block_idle(self, block_id: int) -> None:
@@ -366,32 +274,25 @@ class RadixCache:
             if not node.children:
                 self._push(node)
             return
-        node, g = self._group_of_block[block_id]
+        node, g = self._group_blocks.owner(block_id)
         if self.groups[g].is_sliding:
             self._push(node, g)  # another full group's block goes with its node
 
-    def _push(self, node: _Node, group: int = 0) -> None:
+    def _push(self, node: RadixNode, group: int = 0) -> None:
         """Queue ``node`` for eviction (``group`` 0: the whole node; else one sliding block)."""
-        heapq.heappush(self._heap, (node.last_access, next(self._tiebreak), node, group))
+        self._heap.push(node, group)
         # Stale entries are dropped only when popped, and without memory pressure nothing
         # pops: rebuild once they dominate, so the heap stays O(cached blocks), amortized O(1).
         if len(self._heap) > 2 * self.num_cached_blocks + 64:
-            self._heap = [(n.last_access, next(self._tiebreak), n, 0)
-                          for n in self._node_of_block.values() if self._is_idle_leaf(n)]
-            self._heap += [(n.last_access, next(self._tiebreak), n, g)
-                           for b, (n, g) in self._group_of_block.items() if self._is_idle_sliding(b, n, g)]
-            heapq.heapify(self._heap)
+            leaves = ((n, 0) for n in self._node_of_block.values() if self._is_idle_leaf(n))
+            self._heap.rebuild(itertools.chain(leaves, self._group_blocks.idle_sliding()))
 
-    def _is_idle_leaf(self, node: _Node) -> bool:
+    def _is_idle_leaf(self, node: RadixNode) -> bool:
         return (
             not node.children
             and self._node_of_block.get(node.block_id) is node
             and self.pool.ref_count(node.block_id) == 0
         )
-
-    def _is_idle_sliding(self, block_id: Optional[int], node: _Node, group: int) -> bool:
-        return (block_id is not None and self.groups[group].is_sliding
-                and self._group_of_block.get(block_id) == (node, group) and self.pool.ref_count(block_id) == 0)
 
     def evict(self, num_blocks: int) -> int:
         """Evict least recently used idle leaves (and idle sliding-group blocks anywhere)
@@ -403,36 +304,32 @@ class RadixCache:
         evicted = 0
         gone: list[BlockHash] = []
         while evicted < num_blocks and self._heap:
-            stamp, _, node, group = heapq.heappop(self._heap)
-            if group:
-                block_id = node.group_blocks[group - 1]
-                if not self._is_idle_sliding(block_id, node, group):
-                    continue  # stale: evicted already, its node went, or locked again
-                if stamp != node.last_access:
-                    self._push(node, group)
-                    continue
-                node.group_blocks[group - 1] = None
-                del self._group_of_block[block_id]
-                self.pool.release_cached(block_id)
-                evicted += 1
-                continue
-            if not self._is_idle_leaf(node):
-                continue  # stale: evicted already, gained children, or locked again
+            stamp, node, group = self._heap.pop()
+            idle = (self._group_blocks.is_idle_sliding(node.group_blocks[group - 1], node, group) if group
+                    else self._is_idle_leaf(node))
+            if not idle:
+                continue  # stale: evicted already, its node went, gained children, or locked again
             if stamp != node.last_access:
-                self._push(node)  # touched since it was queued: requeue at its true age
+                self._push(node, group)  # touched since it was queued: requeue at its true age
                 continue
-            if self.offload is not None or self.events.enabled:
-                block_hash = self.hash_of(node)
-                gone.append(block_hash)
-                if self.offload is not None:
-                    self.offload.on_pool_evict(block_hash, node.block_id, node.key, self._parent_hash(node))
-            evicted += self._remove(node)
-            parent = node.parent
-            if parent.block_id is not None and self._is_idle_leaf(parent):
-                self._push(parent)
+            if group:
+                self._group_blocks.evict(node, group)
+                evicted += 1
+            else:
+                evicted += self._evict_leaf(node, gone)
         self.num_evicted_blocks += evicted
         self.events.removed(gone, MEDIUM_POOL)
         return evicted
+
+    def _evict_leaf(self, node: RadixNode, gone: list[BlockHash]) -> int:
+        """Hand the idle leaf to the lower tiers (its hash to ``gone``) and take it out of the
+        tree; returns the blocks released."""
+        if self.offload is not None or self.events.enabled:
+            block_hash = node_hash(node, self.block_size)
+            gone.append(block_hash)
+            if self.offload is not None:
+                self.offload.on_pool_evict(block_hash, node.block_id, node.key, parent_hash(node, self.block_size))
+        return self._remove(node)
 
     def discard(self, block_ids: Sequence[int]) -> int:
         """Forget cached blocks whose KV turned out invalid (a failed step); return how many
@@ -446,71 +343,42 @@ class RadixCache:
             node = self._node_of_block.get(block_id)
             if node is not None and self._is_idle_leaf(node):
                 if self.events.enabled:
-                    self.events.removed([self.hash_of(node)], MEDIUM_POOL)
+                    self.events.removed([node_hash(node, self.block_size)], MEDIUM_POOL)
                 self._remove(node)
                 removed += 1
-                parent = node.parent
-                if parent.block_id is not None and self._is_idle_leaf(parent):
-                    self._push(parent)
         return removed
 
-    def _remove(self, node: _Node) -> int:
-        """Take an idle leaf out of the tree; returns the blocks released (all groups)."""
-        del node.parent.children[node.key]
+    def _remove(self, node: RadixNode) -> int:
+        """Take an idle leaf out of the tree, queueing its parent if that became an idle
+        leaf; returns the blocks released (all groups)."""
+        parent = node.parent
+        del parent.children[node.key]
         del self._node_of_block[node.block_id]
         self.pool.release_cached(node.block_id)
-        released = 1
-        for b in node.group_blocks or ():
-            if b is None:
-                continue
-            del self._group_of_block[b]
-            if self.pool.ref_count(b):
-                self.pool.uncache(b)  # adopted and still held: its holder frees it as any block
-            else:
-                self.pool.release_cached(b)
-                released += 1
+        released = 1 + self._group_blocks.release_with(node)
+        if parent.block_id is not None and self._is_idle_leaf(parent):
+            self._push(parent)
         return released
 
     def reset(self) -> None:
         """Evict every idle cached block. Raises ``ValueError`` if any cached block is in use."""
-        if any(self.pool.ref_count(b) for b in itertools.chain(self._node_of_block, self._group_of_block)):
+        if any(self.pool.ref_count(b) for b in itertools.chain(self._node_of_block, self._group_blocks)):
             raise ValueError("cannot reset the prefix cache while cached blocks are in use")
         if self.events.enabled:
             self.events.removed(self.cached_hashes(), MEDIUM_POOL)
-        for block_id in itertools.chain(self._node_of_block, self._group_of_block):
+        for block_id in self._node_of_block:
             self.pool.release_cached(block_id)
+        self._group_blocks.release_all()
         self._node_of_block.clear()
-        self._group_of_block.clear()
         self._roots.clear()
         self._heap.clear()
 
     # ------------------------------------------------------------------ checks
-    def _check_group_blocks(self, node: _Node, queued: set) -> int:
-        """Check one node's blocks of groups 1..; returns how many it holds."""
-        if len(self.groups) == 1:
-            assert node.group_blocks is None
-            return 0
-        assert node.group_blocks is not None and len(node.group_blocks) == len(self.groups) - 1
-        count = 0
-        for g, b in enumerate(node.group_blocks, start=1):
-            if b is None:
-                assert self.groups[g].is_sliding, f"full group {g} lost its block under a live node"
-                continue
-            count += 1
-            assert self._group_of_block.get(b) == (node, g) and self.pool.is_cached(b)
-            if self.pool.ref_count(b) > 0:
-                # Holders take whole prefixes, except a sliding block adopted from another holder.
-                assert self.groups[g].is_sliding or self.pool.ref_count(node.block_id) > 0, \
-                    f"group {g} block {b} is held, its node's is not"
-            elif self.groups[g].is_sliding:
-                assert (id(node), g) in queued, f"idle sliding block {b} is not evictable"
-        return count
-
     def check_integrity(self) -> None:
         """Assert tree, pool and heap agree; raises AssertionError."""
         seen = 0
         stack = list(self._roots.values())
-        queued = {(id(entry[2]), entry[3]) for entry in self._heap}
+        queued = set(self._heap.queued())
         while stack:
             node = stack.pop()
             for key, child in node.children.items():
@@ -524,7 +392,7 @@ class RadixCache:
                     assert self.pool.ref_count(node.block_id) > 0, f"idle block {node.block_id} has an in-use child"
                 if not child.children and self.pool.ref_count(child.block_id) == 0:
                     assert (id(child), 0) in queued, f"idle leaf block {child.block_id} is not evictable"
-                seen += 1 + self._check_group_blocks(child, queued)
+                seen += 1 + self._group_blocks.check(child, queued)
                 stack.append(child)
         assert seen == self.num_cached_blocks == self.pool.num_cached_blocks
         self.pool.check_integrity()

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import operator
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -163,22 +164,22 @@ class StepMetadata:
     @property
     def max_query_len(self) -> int:
         """Longest query of any sequence in the step."""
-        return int(self.query_lens.max()) if self.num_seqs else 0
+        return _max_or_zero(self.query_lens)
 
     @property
     def max_prefill_query_len(self) -> int:
         """Longest query among the sequences after the leading decodes (0 if none)."""
-        return int(self.query_lens[self.num_decodes:].max()) if self.num_seqs > self.num_decodes else 0
+        return _max_or_zero(self.query_lens[self.num_decodes:])
 
     @property
     def max_seq_len(self) -> int:
         """Longest context (after this step) of any sequence."""
-        return int(self.seq_lens.max()) if self.num_seqs else 0
+        return _max_or_zero(self.seq_lens)
 
     @property
     def max_decode_seq_len(self) -> int:
         """Longest context among the leading decodes (0 if none)."""
-        return int(self.seq_lens[: self.num_decodes].max()) if self.num_decodes else 0
+        return _max_or_zero(self.seq_lens[: self.num_decodes])
 
     @property
     def num_decode_tokens(self) -> int:
@@ -201,36 +202,18 @@ def build_step_metadata(
     """
     num_seqs = len(requests)
     query_lens = np.asarray(num_new_tokens, dtype=np.int64).reshape(num_seqs)
-    computed = np.fromiter((r.num_computed_tokens for r in requests), dtype=np.int64, count=num_seqs)
+    computed = _per_seq(requests, "num_computed_tokens")
     seq_lens = computed + query_lens
     query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
     np.cumsum(query_lens, out=query_start_loc[1:])
-    num_tokens = int(query_start_loc[-1])
-
-    # Tokens: a decode contributes one int (no slice object), a prefill one slice.
-    ids: list[int] = []
-    for r, c, n in zip(requests, computed.tolist(), query_lens.tolist()):
-        if n == 1:
-            ids.append(r.all_token_ids[c])
-        else:
-            ids += r.all_token_ids[c : c + n]
-    input_ids = np.array(ids, dtype=np.int64).reshape(num_tokens)
-
     seq_of_token = np.repeat(np.arange(num_seqs), query_lens)
+    num_tokens = int(query_start_loc[-1])
     positions = np.arange(num_tokens, dtype=np.int64) - query_start_loc[seq_of_token] + computed[seq_of_token]
-    block_of_token, offset_of_token = positions // block_size, positions % block_size
-    tables, slots = [], []
-    for group in range(num_groups):
-        table = _padded_block_tables(requests, group)
-        tables.append(table)
-        slots.append(table[seq_of_token, block_of_token].astype(np.int64) * block_size + offset_of_token)
-
-    total = np.fromiter((r.num_tokens for r in requests), dtype=np.int64, count=num_seqs)
-    samples = np.flatnonzero(seq_lens == total)
+    tables, slots = _tables_and_slots(requests, num_groups, seq_of_token, positions, block_size)
+    samples = np.flatnonzero(seq_lens == _per_seq(requests, "num_tokens"))
     prompt_rows, prompt_seqs, prompt_targets = _prompt_logit_rows(requests, computed, seq_lens, query_start_loc)
-    copies = np.asarray(block_copies, dtype=np.int64).reshape(-1, 2)
     return StepMetadata(
-        input_ids=input_ids,
+        input_ids=_input_ids(requests, computed, query_lens, num_tokens),
         positions=positions,
         slot_mapping=slots[0],
         query_start_loc=query_start_loc.astype(np.int32),
@@ -239,7 +222,7 @@ def build_step_metadata(
         block_tables=tables[0],
         logits_indices=np.concatenate([query_start_loc[samples + 1] - 1, prompt_rows]),
         sample_seq_indices=samples,
-        block_copies=copies,
+        block_copies=np.asarray(block_copies, dtype=np.int64).reshape(-1, 2),
         block_size=block_size,
         num_decodes=leading_decodes(query_lens),
         request_ids=[r.request_id for r in requests],
@@ -250,8 +233,40 @@ def build_step_metadata(
         state_slots=np.fromiter((-1 if r.state_slot is None else r.state_slot for r in requests), dtype=np.int64,
                                 count=num_seqs),
         state_copies=np.asarray(state_copies, dtype=np.int64).reshape(-1, 2),
-        prompt_lens=np.fromiter((r.num_prompt_tokens for r in requests), dtype=np.int64, count=num_seqs),
+        prompt_lens=_per_seq(requests, "num_prompt_tokens"),
     )
+
+
+def _per_seq(requests: Sequence[Request], attribute: str) -> np.ndarray:
+    """int64 [B] one integer attribute of every request (a property such as ``num_tokens`` too)."""
+    get = operator.attrgetter(attribute)
+    return np.fromiter(map(get, requests), dtype=np.int64, count=len(requests))
+
+
+def _input_ids(requests: Sequence[Request], computed: np.ndarray, query_lens: np.ndarray,
+               num_tokens: int) -> np.ndarray:
+    """int64 [T] the tokens each sequence feeds: ``all_token_ids[computed : computed + n]``."""
+    ids: list[int] = []
+    # A decode contributes one int (no slice object), a prefill one slice: per sequence, not per token.
+    for r, c, n in zip(requests, computed.tolist(), query_lens.tolist()):
+        if n == 1:
+            ids.append(r.all_token_ids[c])
+        else:
+            ids += r.all_token_ids[c : c + n]
+    return np.array(ids, dtype=np.int64).reshape(num_tokens)
+
+
+def _tables_and_slots(requests: Sequence[Request], num_groups: int, seq_of_token: np.ndarray,
+                      positions: np.ndarray, block_size: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Per KV group: int32 [B, max_blocks] block tables and int64 [T] slot mapping
+    (``block_id * block_size + offset`` of each token's position)."""
+    block_of_token, offset_of_token = positions // block_size, positions % block_size
+    tables, slots = [], []
+    for group in range(num_groups):
+        table = _padded_block_tables(requests, group)
+        tables.append(table)
+        slots.append(table[seq_of_token, block_of_token].astype(np.int64) * block_size + offset_of_token)
+    return tables, slots
 
 
 def _padded_block_tables(requests: Sequence[Request], group: int = 0) -> np.ndarray:
@@ -289,6 +304,11 @@ def _prompt_logit_rows(requests: Sequence[Request], computed: np.ndarray, seq_le
         empty = np.zeros(0, dtype=np.int64)
         return empty, empty, empty
     return np.concatenate(rows), np.concatenate(seqs), np.concatenate(targets)
+
+
+def _max_or_zero(values: np.ndarray) -> int:
+    """The largest of ``values``, 0 when there are none."""
+    return int(values.max()) if values.size else 0
 
 
 def leading_decodes(query_lens: np.ndarray) -> int:

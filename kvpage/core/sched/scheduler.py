@@ -1,16 +1,14 @@
 """Iteration-level scheduler: decides, once per model step, which tokens run.
 
-Policy per step (``max_num_batched_tokens`` is the token budget):
+Policy per step (``max_num_batched_tokens`` is the token budget; the decisions themselves
+are ``policy``'s):
   1. Running requests first: every decode (one token each), then the next chunk of each
      partially computed prompt, each group in scheduling order (``Request.sort_key``), so a
      long prefill never starves running decodes. When blocks run out, the newest running
      request not yet scheduled this step is preempted (its blocks freed, to be recomputed
      later) until the current one fits.
   2. If nothing was preempted, waiting requests are admitted in order while the budget,
-     ``max_num_seqs`` and the pool allow. Each consults the prefix cache first, so cached
-     tokens are never recomputed. Without chunked prefill a prompt runs whole or waits.
-     A request asking ``prompt_logprobs`` skips the lookup until its prompt is done: a
-     cached token would have no logits this time.
+     ``max_num_seqs`` and the pool allow (``Admission``), each after a prefix-cache lookup.
   3. With lower KV tiers (``KVOffloadManager``), a hit continues past the pool: host
      blocks are loaded before the step's forward and count as cached tokens; a hit that
      continues on disk parks the request (``FetchWaits``) until those blocks are read
@@ -25,53 +23,29 @@ from __future__ import annotations
 import bisect
 import itertools
 import time
-from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
 from kvpage.core.block_hash import BlockHash
-from kvpage.core.kv.block_pool import BlockPool
 from kvpage.core.config import CacheConfig, SchedulerConfig
-from kvpage.core.sched.fetch_waits import FetchWaits
+from kvpage.core.kv.block_pool import BlockPool
 from kvpage.core.kv.kv_cache_manager import KVCacheManager
+from kvpage.core.kv.radix_cache import RadixCache
+from kvpage.core.kv.state_slots import StateSlotPool
 from kvpage.core.kv_events import KVCacheEvent, KVEventLog
 from kvpage.core.offload.kv_offload import KVOffloadManager
-from kvpage.core.sched.metadata import build_step_metadata
-from kvpage.core.sched.output import QueueFullError, SchedulerOutput
-from kvpage.core.kv.radix_cache import PrefixMatch, RadixCache
 from kvpage.core.request import FinishReason, Request, RequestStatus, sample_request_id
 from kvpage.core.sampling_params import SamplingParams
-from kvpage.core.kv.state_slots import StateSlotPool
+from kvpage.core.sched.admission import Admission
+from kvpage.core.sched.fetch_waits import FetchWaits
+from kvpage.core.sched.integrity import check_block_holders, check_state_holders
+from kvpage.core.sched.metadata import build_step_metadata
+from kvpage.core.sched.output import QueueFullError, SchedulerOutput
+from kvpage.core.sched.policy import pick_victim, running_order, sort_key, stop_reason
+from kvpage.core.sched.step_plan import StepPlan
 from kvpage.core.sched.tier_scheduling import TierScheduling
 from kvpage.core.sched.waiting_queue import WaitingQueue
-
-
-def _sort_key(request: Request) -> tuple:
-    return request.sort_key
-
-
-@dataclass(slots=True)
-class _StepPlan:
-    """What one ``schedule()`` call has decided so far; lives only for that call."""
-
-    scheduled: list[tuple[Request, int]] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    newly_cached: list[int] = field(default_factory=list)
-
-
-_NO_HIT = PrefixMatch((), 0)
-
-
-def _uses_prefix_cache(request: Request) -> bool:
-    """Prompt log-probabilities need logits at every prompt position, so such a request
-    computes its whole prompt (it may still hit the cache when recomputed after preemption)."""
-    return request.sampling_params.prompt_logprobs is None or request.num_output_tokens > 0
-
-
-def _seats(request: Request) -> int:
-    """Running slots a request will take: ``n`` before its first token (its samples fork then)."""
-    return request.sampling_params.n if request.num_output_tokens == 0 else 1
 
 
 class Scheduler:
@@ -97,6 +71,7 @@ class Scheduler:
         self.fetch_waits = FetchWaits()
         # The lower tiers' side of scheduling (parking, completions, disk saves); None without tiers.
         self.tiers = TierScheduling(self.offload, self.kv, self.waiting, self.fetch_waits) if self.offload else None
+        self.admission = Admission(scheduler_config, self.kv, self.waiting, self.prefix_cache, self.tiers)
         self.running: list[Request] = []  # kept sorted by sort_key (insort), never re-sorted per step
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
@@ -158,79 +133,35 @@ class Scheduler:
     # ------------------------------------------------------------------ the step
     def schedule(self) -> SchedulerOutput:
         """Pick this step's work and build its metadata. Call ``update_from_output`` next."""
-        budget = self.config.max_num_batched_tokens
-        chunked = self.config.enable_chunked_prefill
-        plan = _StepPlan()
-
-        decodes: list[Request] = []
-        prefills: list[Request] = []
-        for request in self.running:
-            (decodes if request.num_uncomputed_tokens == 1 else prefills).append(request)
-        for request in itertools.chain(decodes, prefills):
-            if budget == 0:
+        plan = StepPlan(self.config.max_num_batched_tokens)
+        for request in running_order(self.running):
+            if plan.budget == 0:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this step as a victim
             num_new = request.num_uncomputed_tokens
-            if chunked:
-                num_new = min(num_new, budget)
-            if num_new == 0 or num_new > budget:
+            if self.config.enable_chunked_prefill:
+                num_new = min(num_new, plan.budget)
+            if num_new == 0 or num_new > plan.budget:
                 continue
-            while not self.kv.allocate_slots(request, num_new):
-                victim = self._pick_victim(plan)
-                self._preempt(victim)
-                plan.preempted.append(victim)
-                if victim is request:
-                    break
-            else:
-                self._schedule_one(plan, request, num_new)
-                budget -= num_new
-
+            if self._make_room(plan, request, num_new):
+                plan.add(request, num_new, self.kv)
         if not plan.preempted:
-            self._admit_waiting(plan, budget, chunked)
+            self.admission.admit(plan, self.running)
         return self._emit(plan)
 
-    def _pick_victim(self, plan: _StepPlan) -> Request:
-        """Newest running request not yet scheduled this step, sparing pinned ones if possible."""
-        taken = {id(r) for r, _ in plan.scheduled}
-        candidates = [r for r in self.running if id(r) not in taken]
-        unpinned = [r for r in candidates if r.num_preemptions < self.config.max_preemptions_before_pin]
-        pool = unpinned or candidates
-        return max(pool, key=lambda r: r.sort_key)
+    def _make_room(self, plan: StepPlan, request: Request, num_new: int) -> bool:
+        """Allocate ``request``'s slots, preempting victims (``policy.pick_victim``) until they
+        fit; False if ``request`` itself was the victim."""
+        while not self.kv.allocate_slots(request, num_new):
+            victim = pick_victim(self.running, plan.scheduled_ids(), self.config.max_preemptions_before_pin)
+            self._preempt(victim)
+            plan.preempted.append(victim)
+            if victim is request:
+                return False
+        return True
 
-    def _admit_waiting(self, plan: _StepPlan, budget: int, chunked: bool) -> None:
-        while budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting.peek()
-            if request is None:
-                break
-            if len(self.running) + _seats(request) > self.config.max_num_seqs:
-                break  # its parallel samples will fork into seats of their own
-            uses_cache = _uses_prefix_cache(request)
-            hit = self.kv.match_prefix(request) if uses_cache else _NO_HIT
-            if hit.waits_for_disk and not request.kv_fetch_waited:
-                self.waiting.pop()
-                self.tiers.park_for_disk(request, hit)
-                continue
-            num_new = request.num_tokens - hit.num_tokens
-            if chunked:
-                num_new = min(num_new, budget)
-            elif num_new > budget:
-                break
-            if not self.kv.allocate_slots(request, num_new, hit):
-                break
-            self.waiting.pop()
-            if request.kv_fetch_waited and self.tiers is not None:
-                self.tiers.admitted(request)
-            if self.prefix_cache is not None and not request.prefix_queried and uses_cache:
-                # Count each request once: a recompute after preemption hits its own blocks.
-                request.prefix_queried = True
-                self.prefix_cache.record_query(request.num_tokens, hit.num_tokens)
-            request.status = RequestStatus.RUNNING
-            bisect.insort(self.running, request, key=_sort_key)
-            self._schedule_one(plan, request, num_new)
-            budget -= num_new
-
-    def _emit(self, plan: _StepPlan) -> SchedulerOutput:
+    def _emit(self, plan: StepPlan) -> SchedulerOutput:
         # Decodes (query length 1) first: attention backends split the batch there.
         plan.scheduled.sort(key=lambda item: item[1] != 1)
         requests = [r for r, _ in plan.scheduled]
@@ -242,11 +173,6 @@ class Scheduler:
         transfers = self.offload.take_step_transfers() if self.offload is not None else None
         return SchedulerOutput(requests, counts, metadata, plan.preempted, plan.newly_cached[::-1],
                                kv_transfers=transfers)
-
-    def _schedule_one(self, plan: _StepPlan, request: Request, num_new: int) -> None:
-        plan.scheduled.append((request, num_new))
-        if (request.num_computed_tokens + num_new) // self.block_size > request.num_inserted_blocks:
-            plan.newly_cached.extend(self.kv.cache_scheduled_blocks(request, num_new))
 
     def discard_step_cache(self, output: SchedulerOutput) -> int:
         """After a failed step: forget the cache entries it created, now that their holders ended.
@@ -335,22 +261,10 @@ class Scheduler:
         if request.first_token_time is None:
             request.first_token_time = now
         request.last_token_time = now
-        reason = self._stop_reason(request, token)
+        reason = stop_reason(request, token, self.config.max_model_len)
         if reason is not None:
             self._finish(request, reason)
             finished.append(request)
-
-    def _stop_reason(self, request: Request, token: int) -> Optional[FinishReason]:
-        params = request.sampling_params
-        produced = request.num_output_tokens
-        if produced >= params.min_tokens:
-            if token in params.stop_token_ids:
-                return FinishReason.STOP
-            if not params.ignore_eos and request.eos_token_id is not None and token == request.eos_token_id:
-                return FinishReason.STOP
-        if produced >= params.max_tokens or request.num_tokens >= self.config.max_model_len:
-            return FinishReason.LENGTH
-        return None
 
     # ------------------------------------------------------------------ endings
     def _finish(self, request: Request, reason: FinishReason, error: Optional[str] = None) -> None:
@@ -412,7 +326,7 @@ class Scheduler:
         self.kv.fork(parent, child)
         child.status = RequestStatus.RUNNING
         self.requests[child_id] = child
-        bisect.insort(self.running, child, key=_sort_key)
+        bisect.insort(self.running, child, key=sort_key)
         return child
 
     # ------------------------------------------------------------------ observability
@@ -447,26 +361,7 @@ class Scheduler:
             self.pool.check_integrity()
         if self.tiers is not None:
             self.tiers.check_integrity()
-        holders = [0] * self.pool.num_blocks
-        for request in self.requests.values():
-            if request.status is RequestStatus.WAITING:
-                assert not request.block_ids, f"waiting {request!r} holds blocks"
-            tables = request.block_tables
-            assert request.status is RequestStatus.WAITING or len(tables) == self.kv.num_groups
-            for g in range(len(tables)):
-                assert len(tables[g]) == len(tables[0]), f"{request!r}: group tables of different lengths"
-                assert request.released_blocks[g] <= self.kv.groups[g].first_needed_block(
-                    request.num_computed_tokens, self.block_size), f"{request!r} released a block in its window"
-                for b in request.held_blocks(g):
-                    holders[b] += 1
-            assert len(request.block_ids) * self.block_size >= request.num_computed_tokens
-        for b in range(self.pool.num_blocks):
-            assert holders[b] == self.pool.ref_count(b), f"block {b}: {holders[b]} holders, ref {self.pool.ref_count(b)}"
+        check_block_holders(self.kv, self.requests.values())
         assert len(self.running) <= self.config.max_num_seqs
         if self.state_slots is not None:
-            self.state_slots.check_integrity()
-            held = [r.state_slot for r in self.requests.values() if r.state_slot is not None]
-            assert len(held) == len(set(held)) == self.state_slots.num_used, "state slots and holders disagree"
-            for request in self.requests.values():
-                assert (request.state_slot is not None) == bool(request.block_ids), \
-                    f"{request!r}: a state slot without blocks, or blocks without one"
+            check_state_holders(self.state_slots, self.requests.values())

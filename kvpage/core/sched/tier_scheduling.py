@@ -25,7 +25,7 @@ from kvpage.core.sched.fetch_waits import FetchWaits
 from kvpage.core.kv.kv_cache_manager import KVCacheManager
 from kvpage.core.offload.kv_offload import KVOffloadManager
 from kvpage.core.offload.kv_transfers import DiskOp
-from kvpage.core.kv.radix_cache import PrefixMatch
+from kvpage.core.kv.radix_node import PrefixMatch
 from kvpage.core.request import Request, RequestStatus
 from kvpage.core.sched.waiting_queue import WaitingQueue
 

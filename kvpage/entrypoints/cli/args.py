@@ -109,23 +109,22 @@ def _bounded_float(text: str, allow_zero: bool) -> float:
 
 def positive_int(text: str) -> int:
     """An integer >= 1 (a count)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+    return _int_in(text, 1, None, "an integer", "must be >= 1")
 
 
 def port(text: str) -> int:
     """A TCP port, 0-65535 (0: any free port)."""
+    return _int_in(text, 0, 65535, "a port number", "a port is in 0-65535")
+
+
+def _int_in(text: str, low: int, high: Optional[int], expected: str, out_of_range: str) -> int:
+    """``text`` as an integer in ``[low, high]`` (no upper bound when ``high`` is None)."""
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"a port is in 0-65535, got {value}")
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+    if value < low or (high is not None and value > high):
+        raise argparse.ArgumentTypeError(f"{out_of_range}, got {value}")
     return value
 
 

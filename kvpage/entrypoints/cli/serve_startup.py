@@ -19,7 +19,7 @@ from typing import Any
 
 from kvpage.core.config import EngineConfig
 from kvpage.entrypoints.openai.startup import engine_summary, warm_up
-from kvpage.storage.kv_storage import kv_sizing_rule
+from kvpage.storage.sizing import kv_sizing_rule
 
 log = logging.getLogger("kvpage")
 
@@ -87,7 +87,7 @@ def _start_engine(args: argparse.Namespace, model: str, config: EngineConfig) ->
     llm = LLM(model, config=config)
     for line in engine_summary(llm, config):
         log.info("%s", line)
-    for warning in device_warnings(getattr(args, "explicit", set()), llm.engine.runner.device.type, config):
+    for warning in device_warnings(getattr(args, "explicit", set()), llm.device.type, config):
         log.warning("%s", warning)
     warm_up(llm)
     return llm
@@ -101,7 +101,7 @@ def _run_http(args: argparse.Namespace, model: str, llm: Any) -> int:
 
     names = args.served_model_name or [model]
     async_llm = AsyncLLM(llm.engine).start()
-    app = build_app(async_llm, llm.tokenizer, names, llm.engine.scheduler.config.max_model_len,
+    app = build_app(async_llm, llm.tokenizer, names, llm.max_model_len,
                     api_key=args.api_key, max_body_bytes=args.max_body_bytes, max_tokens_cap=args.max_tokens_cap,
                     max_request_seconds=args.max_request_seconds, stats_interval_s=args.stats_interval_s)
     log.info("serving %s on http://%s:%d (stats every %s)", names[0], args.host, args.port,

@@ -100,20 +100,12 @@ def build_app(llm: AsyncLLM, tokenizer: Any, served_model_names: list[str], max_
     ``max_request_seconds``: every request's deadline (None: none). ``stats_interval_s``:
     seconds between stats log lines while the app runs (0: none).
     """
-    @contextlib.asynccontextmanager
-    async def lifespan(_: FastAPI):
-        stats_task = asyncio.create_task(log_stats_forever(llm.stats, stats_interval_s)) if stats_interval_s else None
-        yield
-        if stats_task is not None:
-            stats_task.cancel()
-        llm.shutdown()  # after uvicorn's graceful period: abort what is left, stop the engine thread
-
-    app = FastAPI(title="kvpage", version=__version__, lifespan=lifespan)
+    app = FastAPI(title="kvpage", version=__version__, lifespan=_lifespan(llm, stats_interval_s))
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     metrics = ServerMetrics(llm.stats)
     llm.observers.append(metrics.observe_step)
     ctx = handlers.ServingContext(llm, tokenizer, served_model_names[0], max_model_len, max_tokens_cap,
-                                  vocab_size=llm.engine.prompts.vocab_size, max_request_seconds=max_request_seconds)
+                                  vocab_size=llm.vocab_size, max_request_seconds=max_request_seconds)
     app.state.metrics, app.state.ctx = metrics, ctx
 
     check_key = _key_checker(api_key)
@@ -123,16 +115,7 @@ def build_app(llm: AsyncLLM, tokenizer: Any, served_model_names: list[str], max_
             raise _model_not_found(name, served_model_names)
 
     _install_error_handlers(app)
-
-    @app.get("/health")
-    async def health():
-        if not llm.is_running:
-            return error_response(503, "engine is not running")
-        return {"status": "ok"}
-
-    @app.get("/metrics")
-    async def prometheus_metrics():
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    _service_routes(app, llm, metrics)
 
     @app.get("/v1/models", dependencies=[Depends(check_key)])
     async def models():
@@ -151,6 +134,35 @@ def build_app(llm: AsyncLLM, tokenizer: Any, served_model_names: list[str], max_
 
     _tokenizer_routes(app, ctx, check_key, check_model)
     return app
+
+
+def _lifespan(llm: AsyncLLM, stats_interval_s: float):
+    """The app's lifespan: logs stats every ``stats_interval_s`` seconds (0: never) while it
+    runs, and shuts the engine down after uvicorn's graceful period (aborting what is left)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        stats_task = asyncio.create_task(log_stats_forever(llm.stats, stats_interval_s)) if stats_interval_s else None
+        yield
+        if stats_task is not None:
+            stats_task.cancel()
+        llm.shutdown()
+
+    return lifespan
+
+
+def _service_routes(app: FastAPI, llm: AsyncLLM, metrics: ServerMetrics) -> None:
+    """``/health`` (503 once the engine thread stopped) and ``/metrics`` (Prometheus); no key needed."""
+
+    @app.get("/health")
+    async def health():
+        if not llm.is_running:
+            return error_response(503, "engine is not running")
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
 def _tokenizer_routes(app: FastAPI, ctx: handlers.ServingContext, check_key, check_model) -> None:

@@ -6,27 +6,29 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kvpage.core.config import EngineConfig
-from kvpage.core.sampling_params import SamplingParams
-from kvpage.storage.kv_storage import kv_sizing_rule
+from kvpage.storage.sizing import kv_sizing_rule
+
+if TYPE_CHECKING:
+    from kvpage.entrypoints.llm import LLM
 
 log = logging.getLogger("kvpage")
 
 
-def engine_summary(llm: Any, config: EngineConfig) -> list[str]:
+def engine_summary(llm: "LLM", config: EngineConfig) -> list[str]:
     """The start-up report: model, dtype, device, threads, and the KV pool and its sizing rule."""
     import torch
 
-    runner, stats = llm.engine.runner, llm.stats()
-    device = runner.device
+    runner, stats = llm.runner, llm.stats()
+    device = llm.device
     dtype = str(next(llm.model.parameters()).dtype).removeprefix("torch.")
     backend = getattr(runner.backend, "name", type(runner.backend).__name__)
     kv = getattr(runner, "kv_cache", None)
     size = f", {kv.nbytes / 2**20:.1f} MiB {kv.spec.dtype}" if kv is not None else ""
     rule = kv_sizing_rule(config.num_kv_blocks, config.kv_cache_memory, device.type)
-    limit = llm.engine.scheduler.config.max_model_len
+    limit = llm.max_model_len
     kernels = ""
     if device.type == "cpu" and kv is not None and kv.spec.layers:
         from kvpage.attention.cpu import cpu_kernels_summary
@@ -40,18 +42,14 @@ def engine_summary(llm: Any, config: EngineConfig) -> list[str]:
     ]
 
 
-def warm_up(llm: Any) -> float:
+def warm_up(llm: "LLM") -> float:
     """One prefill and one decode through the whole engine; returns the seconds it took.
 
     The warm-up request counts in the engine's token counters like any other.
     """
-    engine = llm.engine
-    limit = engine.scheduler.config.max_model_len
-    prompt = [0] * max(1, min(2 * engine.scheduler.block_size + 1, limit - 2))
     log.info("warming up: one prefill and one decode (first use compiles the kernels) ...")
     start = time.perf_counter()
-    llm.generate([prompt], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), use_tqdm=False)
-    engine.step_stats.reset()
+    llm.warm_up()
     elapsed = time.perf_counter() - start
     log.info("warm-up done in %.1f s", elapsed)
     return elapsed

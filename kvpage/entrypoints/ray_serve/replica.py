@@ -54,7 +54,7 @@ class KVPageReplica:
         self._max_reported_blocks = max_reported_blocks
         options = dict(server)
         names = options.pop("served_model_names", None) or [model]
-        self._app = build_app(self._llm, llm.tokenizer, names, llm.engine.scheduler.config.max_model_len,
+        self._app = build_app(self._llm, llm.tokenizer, names, llm.max_model_len,
                               stats_interval_s=0.0, **options)
 
     async def handle_http(self, request: HttpRequest,

@@ -9,57 +9,70 @@ files and moves the bytes when the engine hands it a step's plan:
     agent.py          ``KVTierAgent``: runs each step's copies; disk I/O on two threads
     histogram.py      transfer latency histograms for ``stats()`` and ``/metrics``
 
-``attach_kv_tiers`` wires it into an engine whose scheduler has tiers (imports torch).
+``open_kv_tiers`` makes the agent for a scheduler that has tiers (imports torch).
 """
 from __future__ import annotations
 
 import logging
 import shutil
-from typing import Any
+from typing import TYPE_CHECKING, Any, Optional
 
 from kvpage.core.config import EngineConfig
-from kvpage.storage.kv_storage import KVCacheSpec, PagedKVCache, free_ram_bytes
+from kvpage.core.sched.tier_scheduling import TierScheduling
+from kvpage.storage.paged_cache import PagedKVCache
+from kvpage.storage.sizing import free_ram_bytes
+from kvpage.storage.spec import KVCacheSpec
+
+if TYPE_CHECKING:
+    from kvpage.storage.tiers.agent import KVTierAgent
 
 log = logging.getLogger("kvpage")
 
 
-def attach_kv_tiers(engine: Any, config: EngineConfig, spec: KVCacheSpec, kv_cache: PagedKVCache,
-                    model: Any) -> None:
-    """Give ``engine`` a ``KVTierAgent`` for its scheduler's tiers (a no-op without tiers).
+def open_kv_tiers(tiers: Optional[TierScheduling], config: EngineConfig, spec: KVCacheSpec,
+                  kv_cache: PagedKVCache, model: Any) -> Optional["KVTierAgent"]:
+    """The ``KVTierAgent`` for a scheduler's ``tiers`` (None without tiers).
 
     Opens the disk folder (a folder that cannot be written makes a read-only tier, one that
-    cannot be read an empty one, each with a warning), indexes the blocks it holds and
-    deletes those past the size cap.
+    cannot be read an empty one, each with a warning), indexes the blocks it holds into
+    ``tiers`` and deletes those past the size cap. ``model`` keys the disk folder.
     """
     from kvpage.storage.tiers.agent import KVTierAgent
-    from kvpage.storage.tiers.disk_store import DiskKVStore
-    from kvpage.storage.tiers.fingerprint import model_fingerprint
 
-    offload = engine.scheduler.offload
-    if offload is None:
-        return
+    if tiers is None:
+        return None
+    offload = tiers.offload
     host_bytes, free_ram = offload.host.num_slots * spec.bytes_per_block, free_ram_bytes()
     if host_bytes > free_ram:
         raise ValueError(f"the host KV tier needs {host_bytes / 2**30:.2f} GiB (kv_offloading_size) but only "
                          f"{free_ram / 2**30:.2f} GiB of RAM is available")
-    disk, writable = None, False
+    disk, writable, problem = None, False, None
     if offload.disk is not None and config.kv_disk_cache:
-        block_shape = disk_block_shape(spec)
-        disk = DiskKVStore(config.kv_disk_cache, model_fingerprint(model, spec), block_shape,
-                           kv_cache.torch_key_cache(0).dtype)
-        writable, problem = disk.open()
-        _warn_if_disk_is_small(disk, offload.disk.num_slots * spec.bytes_per_block)
-        found = disk.scan(remove_leftovers=writable)
-        for op in engine.scheduler.tiers.restore_disk(found, writable):
-            if writable:
-                disk.remove(op.block_hash)
-    engine.kv_tiers = KVTierAgent(kv_cache, offload.host.num_slots, disk, writable)
-    if disk is not None and problem:
-        engine.kv_tiers.note_unwritable(problem)
+        disk, writable, problem = _open_disk(tiers, config.kv_disk_cache, spec, kv_cache, model)
+    agent = KVTierAgent(kv_cache, offload.host.num_slots, disk, writable)
+    if problem:
+        agent.note_unwritable(problem)
     log.info("KV tiers: host %d blocks (%.1f MiB)%s", offload.host.num_slots,
              offload.host.num_slots * spec.bytes_per_block / 2**20,
              "" if disk is None else f", disk {offload.disk.num_slots} blocks at {disk.dir} "
              f"({len(offload.disk)} restored{'' if writable else ', read-only'})")
+    return agent
+
+
+def _open_disk(tiers: TierScheduling, folder: str, spec: KVCacheSpec, kv_cache: PagedKVCache, model: Any) -> tuple:
+    """(the disk store, whether it is writable, why not or None), its blocks indexed in ``tiers``."""
+    from kvpage.storage.tiers.disk_store import DiskKVStore
+    from kvpage.storage.tiers.fingerprint import model_fingerprint
+
+    disk = DiskKVStore(folder, model_fingerprint(model, spec), disk_block_shape(spec),
+                       kv_cache.torch_key_cache(0).dtype)
+    writable, problem = disk.open()
+    _warn_if_disk_is_small(disk, tiers.offload.disk.num_slots * spec.bytes_per_block)
+    found = disk.scan(remove_leftovers=writable)
+    for op in tiers.restore_disk(found, writable):
+        if writable:
+            disk.remove(op.block_hash)
+    return disk, writable, problem
 
 
 def disk_block_shape(spec: Any) -> tuple:

@@ -31,7 +31,7 @@ from typing import Any, Optional, Sequence
 
 from kvpage.core.block_hash import BlockHash
 from kvpage.core.offload.kv_transfers import DiskOp, KVTransfers
-from kvpage.storage.kv_storage import PagedKVCache
+from kvpage.storage.paged_cache import PagedKVCache
 
 from kvpage.storage.tiers.disk_store import CorruptEntry, DiskKVStore
 from kvpage.storage.tiers.histogram import LatencyHistogram

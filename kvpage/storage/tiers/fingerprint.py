@@ -13,7 +13,7 @@ import hashlib
 import json
 from typing import Any
 
-from kvpage.storage.kv_storage import KVCacheSpec
+from kvpage.storage.spec import KVCacheSpec
 
 FINGERPRINT_VERSION = "kvpage-kv-fingerprint/1"
 _SAMPLE_ELEMENTS = 64

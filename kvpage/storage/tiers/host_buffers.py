@@ -2,7 +2,7 @@
 
 Per layer that owns buffers one K and one V tensor ``[num_slots, block_size, heads, head_dim]`` in
 the pool's dtype: host slot ``s`` holds one block, the same layout as pool block ``b``
-(``kvpage.storage.kv_storage``). When the pool is on a GPU the host tensors are pinned. Every copy
+(``kvpage.storage.paged_cache``). When the pool is on a GPU the host tensors are pinned. Every copy
 is one gather and one scatter per layer and buffer, over all the step's blocks at once.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from kvpage.storage.kv_storage import PagedKVCache
+from kvpage.storage.paged_cache import PagedKVCache
 
 
 class HostKVBuffers:

@@ -122,7 +122,7 @@ def _architecture(model: Any) -> str:
 def _kv_layout(model: Any) -> str:
     """The per-layer KV layout kvpage uses for ``model`` (one probe forward)."""
     from kvpage.adapters.hf_runner import HFModelRunner
-    from kvpage.storage.kv_storage import KVCacheSpec
+    from kvpage.storage.spec import KVCacheSpec
 
     runner = HFModelRunner(model)
     try:

@@ -110,7 +110,7 @@ def kvpage_greedy(model: torch.nn.Module, prompts: list[list[int]], max_new_toke
         stats = llm.stats()
         if stats["num_free_blocks"] != stats["num_blocks"]:
             raise RuntimeError(f"{stats['num_blocks'] - stats['num_free_blocks']} KV blocks leaked")
-        llm.engine.scheduler.check_integrity()
+        llm.check_integrity()
         errors = [o.outputs[0].error for o in outs if o.outputs[0].error]
         if errors:
             raise RuntimeError(f"a request failed: {errors[0]}")
@@ -126,7 +126,7 @@ def _blocks_for_one_request(model: torch.nn.Module, max_model_len: int, options:
     engine's own probe finds (a config does not always say which layers slide, or which
     hold no KV)."""
     from kvpage.adapters.hf_runner import HFModelRunner
-    from kvpage.storage.kv_storage import KVCacheSpec
+    from kvpage.storage.spec import KVCacheSpec
 
     bs = options["block_size"]
     chunk = options.get("max_num_batched_tokens", max_model_len) if options.get("enable_chunked_prefill") \

@@ -74,13 +74,11 @@ def _warm_up(llm, vocab: int) -> None:
 
 def _instrument(engine, result: RunResult) -> None:
     """Record each step's batch size and the pool's fragmentation as it is scheduled."""
-    pool = engine.scheduler.pool
-
     def record(output) -> None:
         result.concurrency_samples.append(len(output.requests))
-        result.kv_waste_samples.append(pool.fragmentation)
+        result.kv_waste_samples.append(engine.kv_fragmentation)
 
-    engine.step_observers.append(record)
+    engine.add_step_observer(record)
 
 
 def _drive(ctx: RunContext, llm, result: RunResult, desc: str) -> None:
@@ -124,23 +122,23 @@ def run(ctx: RunContext, config: str, replay: bool = False, enforce_eager: bool 
     try:
         _warm_up(llm, ctx.loaded.vocab_size)
         engine = llm.engine
-        engine.step_stats.reset()
+        engine.reset_step_stats()
         before = engine.stats()
         result = RunResult(config, LABELS[config])
         _instrument(engine, result)
         steps = _Steps()
         if replay:
-            _record_metadata(engine.runner, steps)
+            _record_metadata(llm.runner, steps)
         drive = multi_turn.drive if ctx.workload.closed_loop else _drive
         drive(ctx, llm, result, f"{config} {LABELS[config]}")
         after = engine.stats()
         if replay:
-            del engine.runner.execute  # drop the recording wrapper: replay runs the plain method
+            del llm.runner.execute  # drop the recording wrapper: replay runs the plain method
             # Best of two replays: the machine is shared, and the minimum is the least disturbed.
             result.extra["bare_forward_s"] = min(replay_forward_s(llm, steps) for _ in range(2))
             result.extra["forward_in_run_s"] = steps.forward_s
     finally:
-        llm.engine.close()
+        llm.close()
         llm.restore()
         if disk_dir is not None:
             shutil.rmtree(disk_dir, ignore_errors=True)
@@ -179,7 +177,7 @@ def replay_forward_s(llm, steps: list) -> float:
     scheduling, sampling or bookkeeping, the same batch shapes and KV traffic."""
     import torch
 
-    runner = llm.engine.runner
+    runner = llm.runner
     sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
     sync()
     start = time.perf_counter()
