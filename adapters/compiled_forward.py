@@ -59,7 +59,7 @@ def _use_disk_cache() -> None:
     # so a value equal to that default was not the user's choice.
     current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if current is None or os.path.abspath(current) == os.path.abspath(default_cache_dir()):
-        from kvpage.platform.model_registry import cache_root
+        from kvpage.platform.paths import cache_root
 
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_root() / "inductor")
     # Every engine in a process compiles the same forward function; each is its own cache entry.

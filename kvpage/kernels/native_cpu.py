@@ -68,7 +68,7 @@ def _compiler() -> Optional[str]:
 
 def _build(compiler: str, source: Path) -> Path:
     """Compile ``source`` (once per sources/compiler/CPU) and return the library's path."""
-    from kvpage.platform.model_registry import cache_root
+    from kvpage.platform.paths import cache_root
 
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
     texts = [path.read_text() for path in (source, *_HEADERS)]

