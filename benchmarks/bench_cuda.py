@@ -4,16 +4,14 @@ bandwidth as a fraction of device peak.
 * ``pytest benchmarks/bench_cuda.py --benchmark-only``: sweeps batch, context, heads and
   block size; ``extra_info`` carries ``gbps`` (K/V bytes read / kernel time) and
   ``frac_peak``. Skips without CuPy + a GPU; the SDPA rows skip without CUDA torch.
-* ``python benchmarks/bench_cuda.py``: prints the decode bandwidth table used by
-  ``benchmarks/gpu_check.sh`` (goal: >= 0.8 of peak at context >= 2k on an H200).
+* The helpers here (inputs, CUDA-event timing, peak bandwidth) also serve
+  ``benchmarks/gpu_check_report.py``, the decode comparison of ``benchmarks/gpu_check.sh``.
 
 Kernel time comes from CUDA events around ``REPEATS`` launches queued behind a sleeping
 kernel (after a warm-up that also compiles), so the host's per-call overhead is not
 counted; ``call_us`` reports that overhead separately (wall time per call).
 """
 from __future__ import annotations
-
-import sys
 
 import numpy as np
 
@@ -29,12 +27,20 @@ def gpu_reason() -> str | None:
     return gpu_unavailable_reason()
 
 
+def device_name() -> str:
+    """The current CuPy device's name."""
+    import cupy
+
+    name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"]
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
 def peak_bandwidth() -> tuple[float, str]:
     """(bytes/s, source): the table entry for known parts, else memory clock x bus width x 2."""
     import cupy
 
     props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
-    name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    name = device_name()
     for key, value in PEAK_TABLE.items():
         if key in name:
             return value, f"table[{key}] ({name})"
@@ -157,59 +163,6 @@ def sdpa_decode_fn(inputs: dict, batch: int, context: int):
     return lambda: F.scaled_dot_product_attention(q, kc, vc, enable_gqa=True)
 
 
-def decode_table(contexts=(512, 2048, 4096, 8192, 16384), batch: int = 32, heads: int = 32, kv_heads: int = 8,
-                 head_dim: int = 128, block_size: int = 16) -> list[dict]:
-    """Decode bandwidth rows (fp16, Llama-3-8B-like heads)."""
-    peak, _ = peak_bandwidth()
-    rows = []
-    for context in contexts:
-        inputs = make_decode(batch, context, heads, kv_heads, head_dim, block_size)
-        fn = numba_decode_fn(inputs, batch, context)
-        seconds = time_gpu(fn)
-        nbytes = kv_bytes(batch, context, kv_heads, head_dim, 2)
-        rows.append(dict(context=context, batch=batch, us=seconds * 1e6, call_us=time_calls(fn) * 1e6,
-                         gbps=nbytes / seconds / 1e9, frac_peak=nbytes / seconds / peak))
-        del inputs
-    return rows
-
-
-def knob_table(context: int = 4096, batch: int = 32) -> list[dict]:
-    """The decode kernel's launch knobs (threads per block, K tile) at one shape, against
-    the defaults, so one GPU session can tell whether the defaults are the best."""
-    peak, _ = peak_bandwidth()
-    inputs = make_decode(batch, context, 32, 8, 128, 16)
-    nbytes = kv_bytes(batch, context, 8, 128, 2)
-    rows = []
-    for threads in (64, 128, 256):
-        for tile in (16, 32):
-            seconds = time_gpu(numba_decode_fn(inputs, batch, context, threads_per_block=threads, kv_tile=tile))
-            rows.append(dict(threads=threads, kv_tile=tile, us=seconds * 1e6, frac_peak=nbytes / seconds / peak))
-    return rows
-
-
-def main() -> int:
-    reason = gpu_reason()
-    if reason:
-        print(f"SKIP decode bandwidth: {reason}")
-        return 0
-    peak, source = peak_bandwidth()
-    print(f"peak bandwidth {peak / 1e12:.2f} TB/s from {source}")
-    print("kernel_us: GPU time per call; call_us: wall time per call launched back to back (host-bound when larger)")
-    print(f"{'context':>8} {'batch':>6} {'kernel_us':>9} {'call_us':>9} {'GB/s':>8} {'frac_peak':>9}")
-    best_long = 0.0
-    for row in decode_table():
-        print(f"{row['context']:>8} {row['batch']:>6} {row['us']:>9.1f} {row['call_us']:>9.1f} {row['gbps']:>8.0f} "
-              f"{row['frac_peak']:>9.2f}")
-        if row["context"] >= 2048:
-            best_long = max(best_long, row["frac_peak"])
-    verdict = "MEETS" if best_long >= 0.8 else "BELOW"
-    print(f"decode bandwidth at context >= 2k: best {best_long:.2f} of peak ({verdict} the 0.80 goal)")
-    print("decode launch knobs (context 4096, batch 32, fp16, 32/8 heads, D 128):")
-    for row in knob_table():
-        print(f"  threads {row['threads']:>4} kv_tile {row['kv_tile']:>3}: {row['us']:>9.1f} us {row['frac_peak']:>6.2f} of peak")
-    return 0
-
-
 # ---- pytest-benchmark sweep -------------------------------------------------------------
 try:
     import pytest
@@ -273,6 +226,3 @@ if pytest is not None:
                                     kernel_us=seconds * 1e6, tflops=flops / seconds / 1e12)
         benchmark.pedantic(lambda: (fn(), cupy.cuda.get_current_stream().synchronize()), rounds=3, iterations=1)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

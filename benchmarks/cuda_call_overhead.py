@@ -1,10 +1,10 @@
 """Host cost of one ``kvpage.cuda.paged_attention`` decode call, and where it goes.
 
 A decode step calls the wrapper once per layer, so its host time (validation, array
-views, allocations, Numba's dispatch of two launches) adds up per step whatever the
-kernels take. Prints the mean wall time per call with the GPU kept busy (so the host is
-what is measured), then the wrapper's largest costs from ``cProfile``. Needs CuPy and a
-GPU; prints a skip line otherwise. Run: ``python benchmarks/cuda_call_overhead.py``.
+views, Numba's dispatch of the launches) adds up per step whatever the kernels take.
+Prints the mean host time per call of the fast and the reference decode kernels with the
+GPU kept busy (so the host is what is measured), then the wrapper's largest costs from
+``cProfile``. Needs CuPy and a GPU; prints a skip line otherwise. Run: ``python benchmarks/cuda_call_overhead.py``.
 """
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import cProfile
 import io
 import pstats
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -22,6 +21,7 @@ CALLS = 300
 
 def main() -> int:
     from bench_cuda import _spin, gpu_reason, make_decode, numba_decode_fn
+    from gpu_check_report import host_us_per_call
 
     reason = gpu_reason()
     if reason:
@@ -29,18 +29,13 @@ def main() -> int:
         return 0
     import cupy
 
-    for label, batch, context in (("decode, split-K (2 launches)", 32, 4096), ("decode, one launch", 256, 256)):
-        fn = numba_decode_fn(make_decode(batch, context, 32, 8, 128, 16), batch, context)
-        fn()
-        stream = cupy.cuda.get_current_stream()
-        stream.synchronize()
-        _spin(stream)  # the GPU sleeps while the host launches: the loop times the host alone
-        begin = time.perf_counter()
-        for _ in range(CALLS):
-            fn()
-        host_us = (time.perf_counter() - begin) / CALLS * 1e6
-        stream.synchronize()
-        print(f"{label} (batch {batch}, context {context}): {host_us:.1f} us of host time per call")
+    for batch, context in ((32, 4096), (256, 256)):
+        inputs = make_decode(batch, context, 32, 8, 128, 16)
+        for kernel in ("fast", "reference"):
+            fn = numba_decode_fn(inputs, batch, context, decode_kernel=kernel)
+            print(f"decode batch {batch}, context {context}, {kernel} kernel: {host_us_per_call(fn, CALLS):.1f} us "
+                  "of host time per call")
+    fn = numba_decode_fn(make_decode(32, 4096, 32, 8, 128, 16), 32, 4096)  # "auto": the fast kernel
     profile = cProfile.Profile()
     _spin(cupy.cuda.get_current_stream())
     profile.enable()

@@ -4,7 +4,10 @@ Public entry points (same contract as ``kvpage.attention.reference``):
 
 * ``store_kv(key_cache, value_cache, k, v, slot_mapping, *, stream=None)``
 * ``paged_attention(q, key_cache, value_cache, query_start_loc, seq_lens, block_tables,
-  scaling, sliding_window=None, softcap=None, sinks=None, *, num_splits=None, stream=None)``
+  scaling, sliding_window=None, softcap=None, sinks=None, *, num_splits=None, stream=None,
+  decode_kernel="auto", ...)``: decodes run on the fast kernel (``decode_fast``) where it
+  supports the shape on a real GPU, else on the reference kernels (``decode_kernels``,
+  ``attention_kernels``), which also run under the simulator.
 
 Importing this package never touches a GPU and imports neither numba nor cupy nor torch:
 the wrappers load on first attribute access and kernels compile on first launch.

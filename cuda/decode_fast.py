@@ -1,8 +1,8 @@
 """Fast Numba CUDA decode kernel (one query token per sequence) over paged fp16/bf16 KV.
 
 Nothing compiles at import time: ``fast_decode_kernel`` builds a ``cuda.jit`` dispatcher per
-``(head_dim, group, kv_dtype)`` on first call (cached). ``python -m kvpage.cuda.decode_fast
---json`` compiles every variant for sm_90 and prints its PTX/ptxas resources.
+``(head_dim, group, kv_dtype)`` on first call (cached). ``kvpage.cuda.ptx_check`` compiles
+every variant (``fast_signature``) for sm_90 and reports its load widths and resources.
 
 Work decomposition: grid ``(num_seqs, num_kv_heads, num_splits)``, ``FAST_THREADS`` (4 warps)
 per block; a block serves every query head of its kv head's GQA group over the keys of its
@@ -26,10 +26,7 @@ windows, softcap, sinks (flags as ``attention_kernels``). Accumulation is fp32.
 """
 from __future__ import annotations
 
-import json
 import math
-import re
-import sys
 from functools import lru_cache
 
 from numba import cuda, float32, int32, int64, uint32
@@ -302,24 +299,8 @@ def fast_decode_kernel(head_dim: int, group: int, kv_dtype: str, simulate: bool 
     return kernel
 
 
-# --- PTX / ptxas report: ``python -m kvpage.cuda.decode_fast --json``. ---
-
-_LD_GLOBAL = re.compile(r"\bld\.global((?:\.[a-z0-9]+)*)\s")
-_PTXAS_NUMBERS = {"registers": r"Used (\d+) registers", "stack_bytes": r"(\d+) bytes stack frame",
-                  "spill_bytes": r"(\d+) bytes spill stores", "smem_bytes": r"(\d+) bytes smem"}
-
-
-def fast_variants() -> list[tuple[int, int, str]]:
-    """Every compiled ``(head_dim, group, kv_dtype)``."""
-    return [(d, g, dt) for d in FAST_HEAD_DIMS for g in FAST_GROUPS for dt in FAST_KV_DTYPES]
-
-
-def variant_name(head_dim: int, group: int, kv_dtype: str) -> str:
-    return f"fast_decode_d{head_dim}_g{group}_{kv_dtype}"
-
-
-def kernel_signature() -> tuple:
-    """The argument types every fast variant is compiled for (see ``fast_decode_kernel``)."""
+def fast_signature() -> tuple:
+    """The Numba argument types every fast variant is compiled for (see ``fast_decode_kernel``)."""
     from numba.cuda import types as T
 
     def arr(dtype, ndim):
@@ -328,55 +309,3 @@ def kernel_signature() -> tuple:
     i32, i64, f32, f64 = T.int32, T.int64, T.float32, T.float64
     return (arr(T.uint32, 3), arr(T.uint32, 4), arr(T.uint32, 4), arr(i32, 1), arr(i32, 1), arr(i32, 2), f64, i64,
             f64, arr(f32, 1), i64, i64, i64, arr(T.uint16, 3), arr(f32, 3), arr(f32, 3), arr(f32, 4), arr(i32, 2))
-
-
-def global_loads(ptx: str) -> dict[str, int]:
-    """Count of ``ld.global`` instructions per load width in bits (vector width x element bits)."""
-    counts: dict[str, int] = {}
-    for match in _LD_GLOBAL.finditer(ptx):
-        mods = match.group(1).split(".")[1:]
-        vec = next((int(m[1:]) for m in mods if re.fullmatch(r"v\d", m)), 1)
-        bits = next(int(m[1:]) for m in reversed(mods) if re.fullmatch(r"[usbf]\d+", m))
-        key = str(vec * bits)
-        counts[key] = counts.get(key, 0) + 1
-    return counts
-
-
-def ptx_report(head_dim: int, group: int, kv_dtype: str, cc: tuple[int, int] = (9, 0)) -> dict:
-    """Compile one variant for ``cc``; its load widths, fp64 use and ptxas resources (None without ptxas)."""
-    from .ptx_check import _FP64_MATH, _ptxas
-
-    ptx, _ = cuda.compile_ptx(fast_decode_kernel(head_dim, group, kv_dtype).py_func, kernel_signature(), cc=cc)
-    info = _ptxas(ptx, cc)
-    row = {"name": variant_name(head_dim, group, kv_dtype), "fast": True, "head_dim": head_dim, "group": group,
-           "kv_dtype": kv_dtype, "sm90_target": f".target sm_{cc[0]}{cc[1]}" in ptx,
-           "fp64": bool(_FP64_MATH.search(ptx)), "global_loads": global_loads(ptx), "ptxas": info}
-    for key, pattern in _PTXAS_NUMBERS.items():
-        found = re.search(pattern, info or "")
-        row[key] = int(found.group(1)) if found else None
-    return row
-
-
-def main(argv: list[str]) -> int:
-    """Print one JSON object per fast variant (``--json``) or one line each; a missing toolkit
-    prints a skip line. ``--only NAME[,NAME]`` limits the variants."""
-    from .toolchain import ensure_toolchain
-
-    try:
-        ensure_toolchain((9, 0))
-    except RuntimeError as exc:
-        print(json.dumps({"skip": str(exc)}) if "--json" in argv else f"SKIP: {exc}")
-        return 0
-    only = set(argv[argv.index("--only") + 1].split(",")) if "--only" in argv else None
-    for variant in fast_variants():
-        if only is not None and variant_name(*variant) not in only:
-            continue
-        row = ptx_report(*variant)
-        print(json.dumps(row) if "--json" in argv else
-              f"{row['name']}: {row['registers']} regs, stack {row['stack_bytes']}, spill {row['spill_bytes']}, "
-              f"smem {row['smem_bytes']}, loads {row['global_loads']}, fp64 {row['fp64']}", flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -54,7 +54,11 @@ def fast_supported(head_dim: int, group: int, kv_dtype: str) -> bool:
     return head_dim in FAST_HEAD_DIMS and group in FAST_GROUPS and kv_dtype in FAST_KV_DTYPES
 
 
-def _partition_for(context: int, splits: int, block_size: int) -> FastSplits:
+def fixed_splits(context: int, splits: int, block_size: int) -> FastSplits:
+    """About ``splits`` (clamped to ``1..FAST_MAX_SPLITS``) equal partitions of ``context`` keys,
+    each a whole number of blocks (fewer splits when rounding up leaves the last ones empty)."""
+    context, block_size = max(1, int(context)), max(1, int(block_size))
+    splits = min(FAST_MAX_SPLITS, max(1, int(splits)))
     partition = -(-context // splits)
     partition = -(-partition // block_size) * block_size
     return FastSplits(-(-context // partition), partition)
@@ -78,10 +82,10 @@ def fast_decode_splits(num_seqs: int, num_kv_heads: int, context: int, sm_count:
     need = -(-MIN_WAVES * wave // groups)
     most = max(1, min(FAST_MAX_SPLITS, context // FAST_MIN_PARTITION))
     if need <= 1 or most == 1:
-        return _partition_for(context, 1, block_size)
+        return fixed_splits(context, 1, block_size)
     best, best_fill = None, -1.0
     for splits in range(min(need, most), min(2 * need, most) + 1):
-        shape = _partition_for(context, splits, block_size)
+        shape = fixed_splits(context, splits, block_size)
         blocks = groups * shape.num_splits
         fill = blocks / (-(-blocks // wave) * wave)
         if fill > best_fill + 1e-9:

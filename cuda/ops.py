@@ -6,33 +6,27 @@ numpy arrays are accepted for the metadata (copied on the launch stream) and, fo
 testing, for everything (results copied back, which synchronises). Launches go on the
 caller's current stream and do not synchronise.
 
-Dtypes: q and the caches are float16 or float32 (the Numba path has no bfloat16: numpy
-and CuPy have no such dtype for ``__cuda_array_interface__``); accumulation is fp32.
+Dtypes: q and the caches are float16 or float32; torch bfloat16 runs on the fast decode
+kernel only (it reads bits), so a bf16 batch must be decodes alone. Accumulation is fp32.
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, replace
-from functools import lru_cache
 from typing import Any, Optional
 
 import numpy as np
 
-from .interop import (CUPY, TORCH, array_kind, as_kernel_arg, empty_like_kind, numpy_dtype, resolve_stream,
-                      simulator_enabled)
+from .fast_dispatch import dtype_name, launch_fast, num_sms, use_fast_decode
+from .interop import CUPY, TORCH, array_kind, as_kernel_arg, empty_like_kind, resolve_stream, simulator_enabled
+from .launch_args import LaunchArgs, meta_arg
 from .launch_config import choose_decode_tiles, choose_splits, choose_tile, prefill_rows
+from .workspace import array_device, workspace
 
-_FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32))
+#: Dtypes of q and the caches (bfloat16: torch arrays, on the fast decode kernel only).
+_FLOAT_DTYPES = ("float16", "float32", "bfloat16")
 _DEFAULT_THREADS = 128
 _SIM_THREADS = 16
-
-
-@lru_cache(maxsize=None)
-def _num_sms() -> int:
-    from numba import cuda
-
-    if simulator_enabled():
-        return 1
-    return int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
 
 
 def _prepare() -> None:
@@ -44,9 +38,9 @@ def _prepare() -> None:
 
 
 def _check_float(name: str, x: Any) -> None:
-    dt = numpy_dtype(x)
+    dt = dtype_name(x)
     if dt not in _FLOAT_DTYPES:
-        raise ValueError(f"{name} must be float16 or float32, got {dt}")
+        raise ValueError(f"{name} must be float16 or float32 (or torch bfloat16 on the fast decode kernel), got {dt}")
 
 
 def _host_int(x: Any, name: str) -> np.ndarray:
@@ -59,20 +53,6 @@ def _host_int(x: Any, name: str) -> np.ndarray:
     if kind == CUPY:
         return x.get().astype(np.int64)
     return x.copy_to_host().astype(np.int64)
-
-
-def _meta_arg(x: Any, dtype: Any, stream: Any) -> Any:
-    """Kernel argument for a metadata array; host arrays are normalised to ``dtype`` first."""
-    if isinstance(x, np.ndarray):
-        x = np.ascontiguousarray(x, dtype=dtype)
-    return as_kernel_arg(x, stream)
-
-
-def _float_arg(x: Any, stream: Any) -> Any:
-    """Kernel argument for a small float array (host arrays become contiguous float32)."""
-    if isinstance(x, np.ndarray):
-        x = np.ascontiguousarray(x, dtype=np.float32)
-    return as_kernel_arg(x, stream)
 
 
 def _result(out: Any, like: Any) -> Any:
@@ -113,7 +93,7 @@ def store_kv(key_cache: Any, value_cache: Any, k: Any, v: Any, slot_mapping: Any
     threads = threads_per_block or (_SIM_THREADS if simulator_enabled() else 256)
     launch_stream = resolve_stream(stream, (key_cache, k))
     args = [as_kernel_arg(a, launch_stream) for a in (key_cache, value_cache, k, v)]
-    slots = _meta_arg(slot_mapping, np.int64, launch_stream)
+    slots = meta_arg(slot_mapping, np.int64, launch_stream)
     blocks = min(-(-total // threads), 1 << 20)
     store_kernel()[blocks, threads, launch_stream](*args, slots)
 
@@ -124,22 +104,24 @@ def paged_attention(
     sinks: Optional[Any] = None, *, num_splits: Optional[int] = None, stream: Optional[Any] = None,
     num_decodes: Optional[int] = None, max_prefill_query_len: Optional[int] = None,
     max_seq_len: Optional[int] = None, threads_per_block: Optional[int] = None, kv_tile: Optional[int] = None,
+    decode_kernel: str = "auto",
 ) -> Any:
     """Paged attention over a ragged batch; returns ``[T, H, D]`` in ``q``'s dtype.
 
-    The first ``num_decodes`` sequences (query length 1) go to the split-K decode path;
-    the rest to the prefill path (causal w.r.t. absolute positions). Host metadata lets
-    the wrapper derive ``num_decodes``/``max_prefill_query_len``/``max_seq_len`` for free;
-    with device metadata pass them (``StepMetadata`` has each), or they are read back (one
-    synchronising copy). ``max_prefill_query_len`` is the longest query after the decodes.
+    The first ``num_decodes`` sequences (query length 1) go to a split-K decode kernel, the
+    rest to the prefill path (causal w.r.t. absolute positions). With device metadata pass
+    ``num_decodes``/``max_prefill_query_len`` (the longest query after the decodes)/
+    ``max_seq_len`` (``StepMetadata`` has each), or they are read back (one synchronising copy).
 
     Args beyond the reference contract:
+        decode_kernel: ``"auto"`` (the fast kernel where it serves the call on a real GPU),
+            ``"fast"`` (required: else a ValueError says why) or ``"reference"`` (``fast_dispatch``).
         num_splits: decode split-K factor (None: chosen from the SM count; 1: no merge). The
-            decode kernel keeps at most ``launch_config.MAX_DECODE_PARTITION`` keys per block,
-            so a longer context gets the splits it needs beyond this number.
+            reference kernel keeps at most ``launch_config.MAX_DECODE_PARTITION`` keys per
+            block, so a longer context gets the splits it needs beyond this number.
         stream: stream to launch on (default: the arrays' library's current stream).
-        threads_per_block, kv_tile: tuning knobs (defaults: 128 threads, the largest tile
-            fitting 46 KiB of shared memory; tiny values keep the simulator fast).
+        threads_per_block, kv_tile: reference-kernel knobs (defaults: 128 threads, the largest
+            tile in 46 KiB of shared memory; tiny values keep the simulator fast).
     """
     shapes = _check_attention_shapes(q, key_cache, value_cache, query_start_loc, seq_lens, block_tables, sinks)
     window = int(sliding_window or 0)
@@ -148,20 +130,31 @@ def paged_attention(
     num_seqs = int(seq_lens.shape[0])
     sizes = _batch_sizes(query_start_loc, seq_lens, shapes.num_tokens, window, num_decodes, max_prefill_query_len,
                          max_seq_len)
+    has_prefill = num_seqs > sizes.num_decodes and sizes.max_prefill_query_len > 0
+    fast = use_fast_decode(decode_kernel, q, key_cache, value_cache, shapes.head_dim, shapes.group, has_prefill)
     _prepare()
     launch_stream = resolve_stream(stream, (q, key_cache))
-    out = empty_like_kind(q, (shapes.num_tokens, shapes.num_heads, shapes.head_dim), numpy_dtype(q),
-                                  launch_stream)
+    out = _new_output(q, (shapes.num_tokens, shapes.num_heads, shapes.head_dim), launch_stream)
     if shapes.num_tokens == 0 or num_seqs == 0:
         return _result(out, q)
-    launch = _Launch.build(q, key_cache, value_cache, query_start_loc, seq_lens, block_tables, out, sinks,
-                           float(scaling), window, float(softcap or 0.0), launch_stream,
-                           threads_per_block or (_SIM_THREADS if simulator_enabled() else _DEFAULT_THREADS))
-    if sizes.num_decodes:
+    threads = threads_per_block or (_SIM_THREADS if simulator_enabled() else _DEFAULT_THREADS)
+    launch = LaunchArgs.build((q, key_cache, value_cache, out), (query_start_loc, seq_lens, block_tables), sinks,
+                              float(scaling), window, float(softcap or 0.0), launch_stream, threads,
+                              workspace(array_device(q, array_kind(q)), launch_stream))
+    if sizes.num_decodes and fast:
+        launch_fast(launch, sizes.num_decodes, num_seqs, sizes.max_decode_ctx, num_splits)
+    elif sizes.num_decodes:
         _launch_decode(launch, shapes, sizes, num_splits, kv_tile)
-    if num_seqs > sizes.num_decodes and sizes.max_prefill_query_len:
+    if has_prefill:
         _launch_prefill(launch, shapes, sizes, num_seqs, kv_tile)
     return _result(out, q)
+
+
+def _new_output(q: Any, shape: tuple, stream: Any) -> Any:
+    """An uninitialised output in ``q``'s library and dtype (torch bfloat16 included)."""
+    if array_kind(q) == TORCH:
+        return sys.modules["torch"].empty(shape, dtype=q.dtype, device=q.device)
+    return empty_like_kind(q, shape, q.dtype, stream)
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,20 +194,20 @@ def _batch_sizes(query_start_loc, seq_lens, num_tokens: int, window: int, num_de
     return sizes
 
 
-def _launch_decode(launch: "_Launch", shapes: _Shapes, sizes: _BatchSizes, num_splits: Optional[int],
+def _launch_decode(launch: LaunchArgs, shapes: _Shapes, sizes: _BatchSizes, num_splits: Optional[int],
                    kv_tile: Optional[int]) -> None:
     """The split-K decode of the first ``sizes.num_decodes`` sequences."""
     from .attention_kernels import merge_kernel  # numba.cuda loads here, not before
     from .decode_kernels import decode_kernel
 
     tile, max_partition = choose_decode_tiles(shapes.group, shapes.head_dim, launch.threads, kv_tile)
-    splits, partition = choose_splits(sizes.num_decodes * shapes.num_kv_heads, sizes.max_decode_ctx, tile, _num_sms(),
+    splits, partition = choose_splits(sizes.num_decodes * shapes.num_kv_heads, sizes.max_decode_ctx, tile, num_sms(),
                                       num_splits, max_partition)
     launch.decode(decode_kernel(shapes.head_dim, shapes.group, tile, max_partition, launch.threads), merge_kernel,
                   sizes.num_decodes, shapes.num_kv_heads, shapes.num_heads, shapes.head_dim, splits, partition)
 
 
-def _launch_prefill(launch: "_Launch", shapes: _Shapes, sizes: _BatchSizes, num_seqs: int,
+def _launch_prefill(launch: LaunchArgs, shapes: _Shapes, sizes: _BatchSizes, num_seqs: int,
                     kv_tile: Optional[int]) -> None:
     """The tiled attention of the sequences after the decodes (prefills and chunks)."""
     from .attention_kernels import attention_kernel  # numba.cuda loads here, not before
@@ -268,55 +261,3 @@ def _sizes_from_host(query_start_loc, seq_lens, num_tokens: int, num_decodes: Op
     max_prefill_query_len = int(q_lens[num_decodes:].max()) if num_seqs > num_decodes else 0
     max_seq_len = int(lens.max()) if num_seqs else 0
     return _BatchSizes(num_decodes, max_decode_ctx, max_prefill_query_len, max_seq_len)
-
-
-class _Launch:
-    """Kernel arguments shared by the decode and prefill launches of one call."""
-
-    def __init__(self, common: tuple, flags: tuple, out_arg: Any, scratch, stream: Any, threads: int) -> None:
-        self.common, self.flags, self.out_arg = common, flags, out_arg
-        self.scratch, self.stream, self.threads = scratch, stream, threads
-        # Unused partial buffers still need the right rank/dtype: one compiled variant serves both modes.
-        self.no_parts = (scratch((1, 1, 1)), scratch((1, 1, 1)), scratch((1, 1, 1, 1)))
-
-    @classmethod
-    def build(cls, q, key_cache, value_cache, query_start_loc, seq_lens, block_tables, out, sinks, scaling: float,
-              window: int, cap: float, stream: Any, threads: int) -> "_Launch":
-        q_arg, k_arg, v_arg = (as_kernel_arg(a, stream) for a in (q, key_cache, value_cache))
-        meta = tuple(_meta_arg(a, np.int32, stream) for a in (query_start_loc, seq_lens, block_tables))
-
-        def scratch(shape: tuple) -> Any:
-            return as_kernel_arg(empty_like_kind(q, shape, np.float32, stream), stream)
-
-        if sinks is None:
-            sinks_arg, has_sinks = scratch((1,)), 0
-        else:
-            sinks_arg, has_sinks = _float_arg(sinks, stream), 1
-        flags = (scaling, window, cap, sinks_arg, has_sinks)
-        return cls((q_arg, k_arg, v_arg, *meta), flags, as_kernel_arg(out, stream), scratch, stream, threads)
-
-    def decode(self, kernel, merge_kernel, num_decodes: int, num_kv_heads: int, num_heads: int, head_dim: int,
-               splits: int, partition: int) -> None:
-        """Split-K decode over ``splits`` context partitions, merged by log-sum-exp when > 1."""
-        grid = (num_decodes, num_kv_heads, splits)
-        if splits == 1:
-            kernel[grid, self.threads, self.stream](*self.common, *self.flags, partition, 0, self.out_arg,
-                                                    *self.no_parts)
-            return
-        part_max = self.scratch((num_decodes, num_heads, splits))
-        part_sum = self.scratch((num_decodes, num_heads, splits))
-        part_acc = self.scratch((num_decodes, num_heads, splits, head_dim))
-        kernel[grid, self.threads, self.stream](*self.common, *self.flags, partition, 1, self.out_arg,
-                                                part_max, part_sum, part_acc)
-        merge_threads = min(self.threads, head_dim)
-        sinks_arg, has_sinks = self.flags[3], self.flags[4]
-        merge_kernel(head_dim, merge_threads)[(num_decodes, num_heads), merge_threads, self.stream,
-                                               4 * (splits + 1)](
-            part_max, part_sum, part_acc, splits, sinks_arg, has_sinks, 0, self.out_arg)
-
-    def prefill(self, kernel, num_blocks: int, num_kv_heads: int, first_seq: int, row_tiles: int,
-                partition: int) -> None:
-        """Prefill/chunk rows of the sequences from ``first_seq`` on, ``row_tiles`` blocks each."""
-        grid = (num_blocks, num_kv_heads, 1)
-        kernel[grid, self.threads, self.stream](*self.common, first_seq, row_tiles, *self.flags, partition, 0,
-                                                self.out_arg, *self.no_parts)

@@ -1,12 +1,14 @@
-"""Compile every kernel to PTX (and, if ``ptxas`` is found, to SASS) without a GPU.
+"""Compile every kernel variant to PTX (and, if ``ptxas`` is found, to SASS) without a GPU.
 
 This catches typing/lowering errors that the simulator hides (it runs kernels as plain
-Python). Used by ``tests/test_cuda_ptx.py`` and ``benchmarks/gpu_check.sh``::
+Python), and reports what decides a kernel's speed: its global load widths, registers,
+stack, spills and shared memory. Used by ``tests/test_cuda_ptx.py`` and ``benchmarks/gpu_check.sh``::
 
-    NUMBA_FORCE_CUDA_CC=9.0 python -m kvpage.cuda.ptx_check   # prints one line per kernel
+    NUMBA_FORCE_CUDA_CC=9.0 python -m kvpage.cuda.ptx_check [--json] [--fast] [--only NAME,...]
 
-Needs libNVVM + libdevice (CUDA toolkit, or the ``nvidia-nvvm``/``nvidia-cuda-nvcc``
-wheels); NVRTC is optional (see ``toolchain.ensure_toolchain``).
+``--json`` prints one object per variant (``PtxResult.row``), else a table; ``--fast``
+keeps the fast decode variants only. Needs libNVVM + libdevice (CUDA toolkit, or the
+``nvidia-nvvm``/``nvidia-cuda-nvcc`` wheels); NVRTC is optional (``toolchain.ensure_toolchain``).
 """
 from __future__ import annotations
 
@@ -18,28 +20,65 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 from .toolchain import ensure_toolchain
-
 
 # fp64 arithmetic in a kernel is a performance bug (1/64 rate on consumer parts); loads of
 # fp64 launch parameters and their conversion to fp32 are fine.
 _FP64_MATH = re.compile(r"\b(?:add|sub|mul|fma|div|ex2|lg2|rcp|sqrt|max|min|setp)\.[a-z0-9.]*f64\b")
+_LD_GLOBAL = re.compile(r"\bld\.global((?:\.[a-z0-9]+)*)\s")
+_PTXAS_NUMBERS = {"registers": r"Used (\d+) registers", "stack_bytes": r"(\d+) bytes stack frame",
+                  "spill_bytes": r"(\d+) bytes spill stores", "smem_bytes": r"(\d+) bytes smem"}
 
 
-@dataclass
-class PtxResult:
-    """One compiled kernel variant: its PTX, and ptxas' resource line (None without ptxas)."""
+@dataclass(frozen=True, slots=True)
+class Variant:
+    """One compiled kernel: its report name, Python function and Numba signature; ``shape``
+    holds a fast variant's ``head_dim``/``group``/``kv_dtype`` (empty for the others)."""
 
     name: str
+    func: Callable
+    signature: tuple
+    shape: dict
+
+
+@dataclass(frozen=True, slots=True)
+class PtxResult:
+    """One compiled variant: its PTX, and ptxas' resource line (None without ptxas)."""
+
+    variant: Variant
     ptx: str
     ptxas_info: Optional[str]
-    has_fp64: bool
+
+    def row(self) -> dict:
+        """The JSON report: ``name``, ``fast``, ``sm90_target``, ``ptx_chars``, ``fp64`` (fp64
+        arithmetic present), ``global_loads`` (load width in bits -> count), ``ptxas`` and its
+        ``registers``/``stack_bytes``/``spill_bytes``/``smem_bytes`` (None without ptxas)."""
+        row = {"name": self.variant.name, "fast": bool(self.variant.shape), **self.variant.shape,
+               "sm90_target": ".target sm_90" in self.ptx, "ptx_chars": len(self.ptx),
+               "fp64": bool(_FP64_MATH.search(self.ptx)), "global_loads": global_loads(self.ptx),
+               "ptxas": self.ptxas_info}
+        for key, pattern in _PTXAS_NUMBERS.items():
+            found = re.search(pattern, self.ptxas_info or "")
+            row[key] = int(found.group(1)) if found else None
+        return row
 
 
-def _signatures():
-    """``(name, python function, signature)`` for every kernel variant we ship."""
+def global_loads(ptx: str) -> dict[str, int]:
+    """Count of ``ld.global`` instructions per load width in bits (vector width x element bits)."""
+    counts: dict[str, int] = {}
+    for match in _LD_GLOBAL.finditer(ptx):
+        mods = match.group(1).split(".")[1:]
+        vec = next((int(m[1:]) for m in mods if re.fullmatch(r"v\d", m)), 1)
+        bits = next(int(m[1:]) for m in reversed(mods) if re.fullmatch(r"[usbf]\d+", m))
+        key = str(vec * bits)
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def _reference_variants() -> list[Variant]:
+    """The reference attention, decode, merge and store kernels at real models' shapes."""
     from numba.cuda import types as T
 
     from .attention_kernels import attention_kernel, merge_kernel
@@ -55,23 +94,35 @@ def _signatures():
         # (label, rows, head_dim, group, tile, threads): decode and prefill shapes of real models.
         for label, rows, d, g, tile, nt in (("rows8_g8_d128", 8, 128, 8, 32, 128),
                                             ("prefill_g4_d128", 16, 128, 4, 16, 128)):
-            kern = attention_kernel(rows, d, g, tile, nt)
             sig = (arr(dt, 3), arr(dt, 4), arr(dt, 4), arr(i32, 1), arr(i32, 1), arr(i32, 2),
                    i64, i64, f64, i64, f64, arr(f32, 1), i64, i64, i64, arr(dt, 3),
                    arr(f32, 3), arr(f32, 3), arr(f32, 4))
-            out.append((f"attention_{label}_{dt_name}", kern.py_func, sig))
+            out.append(Variant(f"attention_{label}_{dt_name}", attention_kernel(rows, d, g, tile, nt).py_func, sig, {}))
         # (label, head_dim, group, key_tile, max_partition, threads): decode shapes of real models.
         for label, d, g, kt, part, nt in (("g4_d128", 128, 4, 32, 512, 128), ("g8_d128", 128, 8, 32, 512, 128),
                                           ("g1_d64", 64, 1, 32, 512, 128), ("g16_d256", 256, 16, 16, 128, 128)):
             sig = (arr(dt, 3), arr(dt, 4), arr(dt, 4), arr(i32, 1), arr(i32, 1), arr(i32, 2), f64, i64, f64,
                    arr(f32, 1), i64, i64, i64, arr(dt, 3), arr(f32, 3), arr(f32, 3), arr(f32, 4))
-            out.append((f"decode_{label}_{dt_name}", decode_kernel(d, g, kt, part, nt).py_func, sig))
-        merge = merge_kernel(128, 128)
-        out.append((f"merge_d128_{dt_name}", merge.py_func,
-                    (arr(f32, 3), arr(f32, 3), arr(f32, 4), i64, arr(f32, 1), i64, i64, arr(dt, 3))))
-        out.append((f"store_kv_{dt_name}", store_kernel().py_func,
-                    (arr(dt, 4), arr(dt, 4), arr(dt, 3), arr(dt, 3), arr(i64, 1))))
+            out.append(Variant(f"decode_{label}_{dt_name}", decode_kernel(d, g, kt, part, nt).py_func, sig, {}))
+        out.append(Variant(f"merge_d128_{dt_name}", merge_kernel(128, 128).py_func,
+                           (arr(f32, 3), arr(f32, 3), arr(f32, 4), i64, arr(f32, 1), i64, i64, arr(dt, 3)), {}))
+        out.append(Variant(f"store_kv_{dt_name}", store_kernel().py_func,
+                           (arr(dt, 4), arr(dt, 4), arr(dt, 3), arr(dt, 3), arr(i64, 1)), {}))
     return out
+
+
+def fast_variant_name(head_dim: int, group: int, kv_dtype: str) -> str:
+    return f"fast_decode_d{head_dim}_g{group}_{kv_dtype}"
+
+
+def _fast_variants() -> list[Variant]:
+    """Every compiled ``(head_dim, group, kv_dtype)`` of the fast decode kernel."""
+    from .decode_fast import fast_decode_kernel, fast_signature
+    from .fast_launch import FAST_GROUPS, FAST_HEAD_DIMS, FAST_KV_DTYPES
+
+    return [Variant(fast_variant_name(d, g, dt), fast_decode_kernel(d, g, dt).py_func, fast_signature(),
+                    {"head_dim": d, "group": g, "kv_dtype": dt})
+            for d in FAST_HEAD_DIMS for g in FAST_GROUPS for dt in FAST_KV_DTYPES]
 
 
 def _ptxas(ptx: str, cc: tuple[int, int]) -> Optional[str]:
@@ -93,33 +144,50 @@ def _ptxas(ptx: str, cc: tuple[int, int]) -> Optional[str]:
     return "; ".join(lines)
 
 
-def compile_all(cc: tuple[int, int] = (9, 0)) -> list[PtxResult]:
-    """Compile every kernel variant for ``cc``; raises on any compile or assemble error."""
+def compile_all(cc: tuple[int, int] = (9, 0), fast_only: bool = False,
+                only: Optional[set[str]] = None) -> list[PtxResult]:
+    """Compile the variants for ``cc`` (``only``: those names); raises on any compile or assemble error."""
     from numba import cuda
 
     ensure_toolchain(cc)
+    variants = _fast_variants() if fast_only else _reference_variants() + _fast_variants()
     results = []
-    for name, func, sig in _signatures():
-        ptx, _ = cuda.compile_ptx(func, sig, cc=cc)
-        has_fp64 = bool(_FP64_MATH.search(ptx))
-        results.append(PtxResult(name, ptx, _ptxas(ptx, cc), has_fp64))
+    for variant in variants:
+        if only is None or variant.name in only:
+            ptx, _ = cuda.compile_ptx(variant.func, variant.signature, cc=cc)
+            results.append(PtxResult(variant, ptx, _ptxas(ptx, cc)))
     return results
 
 
+def format_table(rows: list[dict]) -> str:
+    """The report as a fixed-width table, one line per variant."""
+    head = f"{'variant':<34} {'regs':>5} {'stack':>6} {'spill':>6} {'smem':>6} {'fp64':>5}  global loads (bits: count)"
+    lines = [head]
+    for r in rows:
+        loads = ", ".join(f"{k}: {v}" for k, v in sorted(r["global_loads"].items(), key=lambda kv: int(kv[0])))
+        lines.append(f"{r['name']:<34} {r['registers'] if r['registers'] is not None else '-':>5} "
+                     f"{r['stack_bytes'] if r['stack_bytes'] is not None else '-':>6} "
+                     f"{r['spill_bytes'] if r['spill_bytes'] is not None else '-':>6} "
+                     f"{r['smem_bytes'] if r['smem_bytes'] is not None else '-':>6} {str(r['fp64']):>5}  {loads}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str]) -> int:
-    """Print one line per kernel (``--json``: JSON lines; a missing toolkit prints a skip line)."""
+    """Print the report (see the module docstring); a missing toolkit prints a skip line."""
     as_json = "--json" in argv
     try:
         ensure_toolchain((9, 0))
     except RuntimeError as exc:
         print(json.dumps({"skip": str(exc)}) if as_json else f"SKIP: {exc}")
         return 0
-    for res in compile_all():
+    only = set(argv[argv.index("--only") + 1].split(",")) if "--only" in argv else None
+    rows = []
+    for res in compile_all(fast_only="--fast" in argv, only=only):
+        rows.append(res.row())
         if as_json:
-            print(json.dumps({"name": res.name, "ptx_chars": len(res.ptx), "fp64": res.has_fp64,
-                              "ptxas": res.ptxas_info, "sm90_target": ".target sm_90" in res.ptx}), flush=True)
-        else:
-            print(f"{res.name}: ptx {len(res.ptx)} chars, fp64 math={res.has_fp64}, ptxas: {res.ptxas_info}")
+            print(json.dumps(rows[-1]), flush=True)
+    if not as_json:
+        print(format_table(rows))
     return 0
 
 

@@ -1,13 +1,14 @@
 """The fast decode kernel (``kvpage.cuda.decode_fast``): static checks, simulator runs, real GPU.
 
 * Split sizing (``fast_launch.fast_decode_splits``): pure arithmetic, checked here.
-* PTX/ptxas (one subprocess, ``NUMBA_FORCE_CUDA_CC=9.0``): every variant's K/V loads are
-  16-byte vector loads, no 16-bit global loads, no stack frame or spills, registers within
-  ``fast_launch.register_budget(group)`` (the blocks per SM the variant is sized for), no fp64.
+* Dispatch (``fast_dispatch.use_fast_decode``): which kernel a call gets, and why not the fast one.
 * Simulator (this file run as a script with ``NUMBA_ENABLE_CUDASIM=1``): the kernel itself, its
   16-byte loads, bit casts and shuffles swapped for numpy stand-ins, on tiny batches against
   ``paged_attention_reference`` (ragged lengths, split-K with the folded merge, windows,
-  softcap, sinks, fp16 and bf16, block sizes that do and do not divide a warp's keys).
+  softcap, sinks, fp16 and bf16, block sizes that do and do not divide a warp's keys); and
+  ``kvpage.cuda.paged_attention(..., decode_kernel="fast")`` end to end on mixed batches
+  (decodes + prefills: bit views, splits, the reused scratch and counters, the merge).
+* PTX/ptxas of every variant: ``tests/test_cuda_ptx.py`` (one compile per variant).
 * Real GPU (``gpu`` marker, skipped without CuPy and a device): realistic shapes.
 """
 from __future__ import annotations
@@ -65,44 +66,6 @@ def test_split_sizing_target_shape() -> None:
 
 def test_register_budgets() -> None:
     assert [register_budget(g) for g in (1, 4, 8)] == [128, 168, 255]
-
-
-# --- PTX / ptxas ---
-
-@pytest.fixture(scope="module")
-def ptx_rows() -> dict:
-    pytest.importorskip("numba")
-    from _cuda_subprocess import run_json_lines
-
-    rows = run_json_lines(["-m", "kvpage.cuda.decode_fast", "--json"],
-                          {"NUMBA_FORCE_CUDA_CC": "9.0", "NUMBA_ENABLE_CUDASIM": "0"}, timeout=900)
-    if "skip" in rows[0]:
-        pytest.skip(f"no CUDA compiler for PTX: {rows[0]['skip']}")
-    return {row["name"]: row for row in rows}
-
-
-def _variant_names() -> list[str]:
-    return [f"fast_decode_d{d}_g{g}_{dt}" for d in (64, 128) for g in (1, 4, 8) for dt in ("fp16", "bf16")]
-
-
-@pytest.mark.parametrize("name", _variant_names())
-def test_fast_variant_ptx(ptx_rows: dict, name: str) -> None:
-    row = ptx_rows[name]
-    assert row["fast"] and row["sm90_target"]
-    loads = row["global_loads"]
-    # q (one per head) and, per unrolled step, one K and one V row slice: all 16-byte loads.
-    assert loads.get("128", 0) >= row["group"] + 2 * 4, loads
-    assert "16" not in loads and "8" not in loads, f"narrow global loads: {loads}"
-    assert not row["fp64"], "fp64 arithmetic in the kernel"
-    if row["ptxas"] is None:
-        pytest.skip("ptxas not installed: no register/stack/spill numbers")
-    assert row["stack_bytes"] == 0 and row["spill_bytes"] == 0, row["ptxas"]
-    assert row["registers"] <= register_budget(row["group"]), row["ptxas"]
-    assert row["smem_bytes"] * FAST_BLOCKS_PER_SM[row["group"]] <= 200 * 1024
-
-
-def test_every_fast_variant_reported(ptx_rows: dict) -> None:
-    assert sorted(ptx_rows) == sorted(_variant_names())
 
 
 # --- Simulator: the kernel itself on tiny batches (this file as a script) ---
@@ -193,11 +156,56 @@ def _run_sim_case(name: str) -> float:
     return check_against_reference(batch, dt, splits, window, cap, sinks, simulate=True)
 
 
+def make_mixed_batch(shapes, num_heads, num_kv_heads, head_dim, block_size, seed=0) -> dict:
+    """A ragged fp16 batch: per sequence (query length, context length), decodes first."""
+    rng = np.random.default_rng(seed)
+    q_lens = np.array([s[0] for s in shapes], np.int32)
+    batch = make_batch([s[1] for s in shapes], num_heads, num_kv_heads, head_dim, "fp16", block_size, seed)
+    batch = {k: v.astype(np.float16) if v.dtype == np.float32 else v for k, v in batch.items()}
+    batch["q"] = rng.standard_normal((int(q_lens.sum()), num_heads, head_dim)).astype(np.float16)
+    batch["query_start_loc"] = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    return batch
+
+
+DISPATCH_CASES = {
+    # name: ((query len, context) per sequence, heads, kv heads, head_dim, block size, num_splits,
+    # window, softcap, sinks, sizes passed by the caller: the no-host-read path).
+    "paged_g4_d64_mixed_auto_splits": ([(1, 70), (1, 9), (5, 12)], 4, 1, 64, 16, None, 0, 0.0, False, False),
+    "paged_g1_d64_mixed_splitk_window_cap_sinks": ([(1, 150), (1, 33), (4, 40)], 2, 2, 64, 4, 3, 100, 5.0, True,
+                                                   True),
+    "paged_g4_d128_decodes_only_splitk": ([(1, 100), (1, 64)], 4, 1, 128, 8, 2, 0, 0.0, False, True),
+}
+
+
+def _run_dispatch_case(name: str) -> float:
+    """``paged_attention(decode_kernel="fast")`` under the simulator against the reference."""
+    from kvpage.cuda import paged_attention
+    from kvpage.cuda.workspace import workspace
+
+    shapes, h, hkv, d, bs, num_splits, window, cap, with_sinks, pass_sizes = DISPATCH_CASES[name]
+    batch = make_mixed_batch(shapes, h, hkv, d, bs, seed=len(name))
+    sinks = np.random.default_rng(5).standard_normal(h).astype(np.float32) if with_sinks else None
+    num_decodes = sum(1 for q_len, _ in shapes if q_len == 1)
+    sizes = {}
+    if pass_sizes:
+        sizes = dict(num_decodes=num_decodes, max_seq_len=max(c for _, c in shapes),
+                     max_prefill_query_len=max([q for q, _ in shapes[num_decodes:]], default=0))
+    flags = dict(scaling=0.125, sliding_window=window or None, softcap=cap or None, sinks=sinks)
+    out = paged_attention(**batch, **flags, **sizes, num_splits=num_splits, decode_kernel="fast",
+                          threads_per_block=16, kv_tile=4)
+    assert out.dtype == np.float16 and out.shape == batch["q"].shape
+    assert not np.any(workspace(None, 0).counters((num_decodes, hkv))), "counters must be left at zero"
+    ref = paged_attention_reference(**batch, **flags).astype(np.float32)
+    np.testing.assert_allclose(out.astype(np.float32), ref, **TOL["fp16"])
+    return float(np.abs(out.astype(np.float32) - ref).max())
+
+
 def _sim_main() -> int:
-    for name in SIM_CASES:
+    cases = [(name, _run_sim_case) for name in SIM_CASES] + [(name, _run_dispatch_case) for name in DISPATCH_CASES]
+    for name, run in cases:
         t0 = time.time()
         try:
-            err = _run_sim_case(name)
+            err = run(name)
             row = {"name": name, "ok": True, "detail": f"max |err| {err:.2e}"}
         except Exception:  # reported to the parent test, which fails with the traceback
             row = {"name": name, "ok": False, "detail": traceback.format_exc()[-3000:]}
@@ -216,10 +224,41 @@ def sim_rows() -> dict:
     return {row["name"]: row for row in rows}
 
 
-@pytest.mark.parametrize("name", sorted(SIM_CASES))
+@pytest.mark.parametrize("name", sorted(SIM_CASES) + sorted(DISPATCH_CASES))
 def test_fast_kernel_in_simulator(sim_rows: dict, name: str) -> None:
     row = sim_rows[name]
     assert row["ok"], row["detail"]
+
+
+# --- Dispatch decisions (no kernel runs) ---
+
+def _decode_inputs(dtype=np.float16, head_dim=64, heads=4, kv_heads=1) -> dict:
+    batch = make_mixed_batch([(1, 5), (1, 3)], heads, kv_heads, head_dim, 4)
+    return {k: v.astype(dtype) if k in ("q", "key_cache", "value_cache") else v for k, v in batch.items()}
+
+
+@pytest.mark.parametrize("over,match", [
+    (dict(dtype=np.float32), "16-bit dtype"),
+    (dict(head_dim=32), "no fast variant for head_dim 32"),
+    (dict(heads=6, kv_heads=3), "group 2"),
+])
+def test_fast_mode_says_why_it_cannot_serve(over: dict, match: str) -> None:
+    from kvpage.cuda import paged_attention
+
+    with pytest.raises(ValueError, match=match):
+        paged_attention(**_decode_inputs(**over), scaling=0.1, decode_kernel="fast")
+
+
+def test_decode_kernel_modes() -> None:
+    from kvpage.cuda import paged_attention
+    from kvpage.cuda.fast_dispatch import fast_unsupported, use_fast_decode
+
+    x = _decode_inputs()
+    arrays = (x["q"], x["key_cache"], x["value_cache"])
+    assert fast_unsupported(*arrays, 64, 4) is None
+    assert use_fast_decode("reference", *arrays, 64, 4, False) is False
+    with pytest.raises(ValueError, match="decode_kernel must be one of"):
+        paged_attention(**x, scaling=0.1, decode_kernel="fastest")
 
 
 # --- Real GPU ---
@@ -250,6 +289,38 @@ def test_fast_kernel_on_gpu(kv_dtype: str, group: int, head_dim: int) -> None:
             check_against_reference(batch, kv_dtype, splits, window, cap, sinks if with_sinks else None,
                                     simulate=False)
 
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("library,kv_dtype,shapes", [
+    ("cupy", "fp16", [(1, 3000), (1, 17), (1, 700), (1, 1), (40, 900)]),  # fast decodes + reference prefill
+    ("torch", "fp16", [(1, 2049), (1, 16), (7, 300)]),
+    ("torch", "bf16", [(1, 4100), (1, 15), (1, 129)]),  # bf16: decodes only
+])
+def test_paged_attention_picks_fast_on_gpu(library: str, kv_dtype: str, shapes: list) -> None:
+    """``decode_kernel="auto"`` through the public wrapper, on the caller's arrays and stream."""
+    reason = _gpu_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    xp = pytest.importorskip(library)
+    if library == "torch" and not xp.cuda.is_available():
+        pytest.skip("torch has no CUDA")
+    from kvpage.cuda import paged_attention
+
+    batch = make_mixed_batch(shapes, 16, 4, 128, 16, seed=9)
+    if kv_dtype == "bf16":
+        batch.update({k: v for k, v in make_batch([c for _, c in shapes], 16, 4, 128, "bf16", 16, 9).items()
+                      if k in ("q", "key_cache", "value_cache")})
+    if library == "cupy":
+        dev = {k: xp.asarray(v) for k, v in batch.items()}
+    else:
+        dt = {"fp16": xp.float16, "bf16": xp.bfloat16}[kv_dtype]
+        dev = {k: xp.as_tensor(v, device="cuda") for k, v in batch.items()}
+        dev.update({k: dev[k].to(dt) for k in ("q", "key_cache", "value_cache")})
+    out = paged_attention(**dev, scaling=0.088)
+    host = out.get() if library == "cupy" else out.float().cpu().numpy()
+    ref = paged_attention_reference(**batch, scaling=0.088).astype(np.float32)
+    np.testing.assert_allclose(host.astype(np.float32), ref, **TOL[kv_dtype])
 
 if __name__ == "__main__" and "--sim" in sys.argv:
     sys.exit(_sim_main())
