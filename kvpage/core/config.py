@@ -32,6 +32,15 @@ def _require_positive_int(name: str, value: object) -> None:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
+def _check_max_step_ms(value: object, enable_chunked_prefill: bool) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(f"max_step_ms must be a positive number of milliseconds, got {value!r}")
+    if not enable_chunked_prefill:
+        raise ValueError("max_step_ms sizes each step's prompt chunks: it needs enable_chunked_prefill")
+
+
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
     """Shape of the paged KV cache.
@@ -104,6 +113,11 @@ class SchedulerConfig:
         max_waiting: most requests that may wait for admission; ``None`` means unbounded.
         max_preemptions_before_pin: after this many preemptions a request is pinned: it is
             never chosen as a preemption victim again, which guards against recompute thrash.
+        max_step_ms: target duration of a step that runs decodes, in milliseconds: prompt
+            chunks get the tokens that the step cost measured on this machine leaves within
+            it after the decodes, at least one block and at most ``max_num_batched_tokens``
+            (``step_budget``). A step without decodes keeps the full budget. ``None``: off,
+            the static budget alone. Needs ``enable_chunked_prefill``.
     """
 
     max_num_seqs: int = 256
@@ -113,6 +127,7 @@ class SchedulerConfig:
     policy: str = "fcfs"
     max_waiting: Optional[int] = None
     max_preemptions_before_pin: int = 3
+    max_step_ms: Optional[float] = None
 
     def __post_init__(self) -> None:
         _require_positive_int("max_num_seqs", self.max_num_seqs)
@@ -123,6 +138,7 @@ class SchedulerConfig:
         if self.max_waiting is not None:
             _require_positive_int("max_waiting", self.max_waiting)
         _require_positive_int("max_preemptions_before_pin", self.max_preemptions_before_pin)
+        _check_max_step_ms(self.max_step_ms, self.enable_chunked_prefill)
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 "max_num_batched_tokens must be >= max_model_len when enable_chunked_prefill is "
@@ -154,8 +170,8 @@ class EngineConfig:
         num_kv_blocks: pool size in blocks; wins over every other sizing rule.
         kv_cache_memory: KV budget in bytes (when ``num_kv_blocks`` is not given).
         gpu_memory_utilization: share of device memory kvpage may use (GPU only).
-        max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, policy, max_waiting:
-            as in ``SchedulerConfig``.
+        max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, policy, max_waiting,
+            max_step_ms: as in ``SchedulerConfig``.
         enable_prefix_caching: as in ``CacheConfig``.
         max_model_len: longest sequence; ``None`` takes the model's own limit.
         seed: seed of the sampler's shared random stream.
@@ -190,6 +206,7 @@ class EngineConfig:
     max_model_len: Optional[int] = None
     policy: str = "fcfs"
     max_waiting: Optional[int] = None
+    max_step_ms: Optional[float] = None
     seed: int = 0
     dtype: str = "auto"
     device: str = "auto"
@@ -206,6 +223,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         CacheConfig(self.block_size, 1, self.enable_prefix_caching)  # validates block_size
         self._check_tiers()
+        _check_max_step_ms(self.max_step_ms, self.enable_chunked_prefill)
         object.__setattr__(self, "kv_events_config", KVEventsConfig.parse(self.kv_events_config))
         for name in ("num_kv_blocks", "kv_cache_memory", "max_model_len", "num_threads"):
             if getattr(self, name) is not None:
@@ -279,4 +297,5 @@ class EngineConfig:
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         return SchedulerConfig(self.max_num_seqs, self.step_token_budget(max_model_len), max_model_len,
-                               self.enable_chunked_prefill, self.policy, self.max_waiting)
+                               self.enable_chunked_prefill, self.policy, self.max_waiting,
+                               max_step_ms=self.max_step_ms)

@@ -11,11 +11,14 @@ else keeps running.
 With lower KV tiers the engine drives ``kv_tiers`` through ``TierSteps``: each step it
 reports finished disk reads and failed writes to the scheduler, runs the step's tier copies
 before the forward, and after a successful step hands over the disk writes. With a
-``kv_event_publisher`` each step's KV events go out as one batch.
+``kv_event_publisher`` each step's KV events go out as one batch. Every successful step's
+size and wall time (tier copies, forward, sampling, output processing) go back to the
+scheduler (``Scheduler.observe_step``), whose step-time budget (``max_step_ms``) learns from them.
 """
 from __future__ import annotations
 
 import itertools
+import time
 from typing import Any, Callable, Hashable, Optional, Sequence
 
 from kvpage.core.request import FinishReason, Request, sample_request_id
@@ -178,9 +181,13 @@ class LLMEngine:
                 self._tiers.idle(output)  # disk reads for parked requests
             deltas: list[StreamDelta] = []
         else:
+            started = time.perf_counter()
             logits, deltas = self._execute(output)
             if logits is not None:
                 deltas = self._postprocess(output, logits)
+                # The step-time budget learns this machine's cost per token from successful steps.
+                self.scheduler.observe_step(output.metadata.num_tokens, output.metadata.num_seqs,
+                                            time.perf_counter() - started)
         self._publish_kv_events()
         return deltas
 

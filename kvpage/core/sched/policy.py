@@ -5,8 +5,7 @@ The mechanics (allocating, freeing, moving requests between queues) are ``Schedu
 """
 from __future__ import annotations
 
-import itertools
-from typing import Collection, Iterator, Optional, Sequence
+from typing import Collection, Optional, Sequence
 
 from kvpage.core.request import FinishReason, Request
 
@@ -16,15 +15,15 @@ def sort_key(request: Request) -> tuple:
     return request.sort_key
 
 
-def running_order(running: Sequence[Request]) -> Iterator[Request]:
-    """Running requests in the order they get the step's budget: every decode (one token
-    each), then the next chunk of each partially computed prompt, each group in scheduling
+def split_running(running: Sequence[Request]) -> tuple[list[Request], list[Request]]:
+    """Running requests in the order they get the step's budget: (every decode, one token
+    each; then the next chunk of each partially computed prompt), each group in scheduling
     order, so a long prefill never starves running decodes."""
     decodes: list[Request] = []
     prefills: list[Request] = []
     for request in running:
         (decodes if request.num_uncomputed_tokens == 1 else prefills).append(request)
-    return itertools.chain(decodes, prefills)
+    return decodes, prefills
 
 
 def pick_victim(running: Sequence[Request], scheduled: Collection[int], pin_after: int) -> Request:

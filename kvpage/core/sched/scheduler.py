@@ -6,7 +6,8 @@ are ``policy``'s):
      partially computed prompt, each group in scheduling order (``Request.sort_key``), so a
      long prefill never starves running decodes. When blocks run out, the newest running
      request not yet scheduled this step is preempted (its blocks freed, to be recomputed
-     later) until the current one fits.
+     later) until the current one fits. With a step-time target (``max_step_ms``), the
+     prompt chunks get only what the target leaves once the decodes are in (``StepBudget``).
   2. If nothing was preempted, waiting requests are admitted in order while the budget,
      ``max_num_seqs`` and the pool allow (``Admission``), each after a prefix-cache lookup.
   3. With lower KV tiers (``KVOffloadManager``), a hit continues past the pool: host
@@ -42,16 +43,22 @@ from kvpage.core.sched.fetch_waits import FetchWaits
 from kvpage.core.sched.integrity import check_block_holders, check_state_holders
 from kvpage.core.sched.metadata import build_step_metadata
 from kvpage.core.sched.output import QueueFullError, SchedulerOutput
-from kvpage.core.sched.policy import pick_victim, running_order, sort_key, stop_reason
+from kvpage.core.sched.policy import pick_victim, sort_key, split_running, stop_reason
+from kvpage.core.sched.step_budget import StepCost, step_budget
 from kvpage.core.sched.step_plan import StepPlan
 from kvpage.core.sched.tier_scheduling import TierScheduling
 from kvpage.core.sched.waiting_queue import WaitingQueue
 
 
 class Scheduler:
-    """Continuous batching over a paged KV cache. Not thread-safe: drive it from one loop."""
+    """Continuous batching over a paged KV cache. Not thread-safe: drive it from one loop.
 
-    def __init__(self, cache_config: CacheConfig, scheduler_config: SchedulerConfig) -> None:
+    ``step_cost``: the cost model behind ``max_step_ms`` (default: a ``StepCostModel`` fitted
+    to the steps reported through ``observe_step``); unused without ``max_step_ms``.
+    """
+
+    def __init__(self, cache_config: CacheConfig, scheduler_config: SchedulerConfig,
+                 step_cost: Optional[StepCost] = None) -> None:
         scheduler_config.check_against(cache_config)
         self.cache_config = cache_config
         self.config = scheduler_config
@@ -72,6 +79,8 @@ class Scheduler:
         # The lower tiers' side of scheduling (parking, completions, disk saves); None without tiers.
         self.tiers = TierScheduling(self.offload, self.kv, self.waiting, self.fetch_waits) if self.offload else None
         self.admission = Admission(scheduler_config, self.kv, self.waiting, self.prefix_cache, self.tiers)
+        self.step_budget = step_budget(scheduler_config.max_step_ms, self.block_size,
+                                       scheduler_config.max_num_batched_tokens, step_cost)
         self.running: list[Request] = []  # kept sorted by sort_key (insort), never re-sorted per step
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
@@ -134,7 +143,18 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Pick this step's work and build its metadata. Call ``update_from_output`` next."""
         plan = StepPlan(self.config.max_num_batched_tokens)
-        for request in running_order(self.running):
+        decodes, prefills = split_running(self.running)
+        self._schedule_running(plan, decodes)
+        if self.step_budget is not None:
+            plan.cap(self.step_budget.limit(plan.num_tokens, len(plan.scheduled)))
+        self._schedule_running(plan, prefills)
+        if not plan.preempted:
+            self.admission.admit(plan, self.running)
+        return self._emit(plan)
+
+    def _schedule_running(self, plan: StepPlan, requests: list[Request]) -> None:
+        """Schedule the next tokens of running ``requests``, in order, while the budget lasts."""
+        for request in requests:
             if plan.budget == 0:
                 break
             if request.status is not RequestStatus.RUNNING:
@@ -146,9 +166,12 @@ class Scheduler:
                 continue
             if self._make_room(plan, request, num_new):
                 plan.add(request, num_new, self.kv)
-        if not plan.preempted:
-            self.admission.admit(plan, self.running)
-        return self._emit(plan)
+
+    def observe_step(self, num_tokens: int, num_seqs: int, seconds: float) -> None:
+        """Report a successful step: its tokens, its sequences and the wall seconds of its work
+        after scheduling. Feeds the step-time budget; a no-op without ``max_step_ms``."""
+        if self.step_budget is not None:
+            self.step_budget.observe(num_tokens, num_seqs, seconds)
 
     def _make_room(self, plan: StepPlan, request: Request, num_new: int) -> bool:
         """Allocate ``request``'s slots, preempting victims (``policy.pick_victim``) until they
@@ -345,6 +368,7 @@ class Scheduler:
             "num_thrash_pins": self.num_thrash_pins,
             "num_running": self.num_running,
             "num_waiting": self.num_waiting,
+            **(self.step_budget.stats() if self.step_budget is not None else {}),
             **self._tier_stats(),
         }
 

@@ -9,11 +9,13 @@ from kvpage.core.request import Request
 
 @dataclass(slots=True)
 class StepPlan:
-    """The step's token ``budget`` left, the ``(request, tokens)`` scheduled in order, the
-    requests preempted, and the blocks newly cached for the step (head first per request)."""
+    """The step's token ``budget`` left, the ``(request, tokens)`` scheduled in order (``num_tokens``
+    of them in all), the requests preempted, and the blocks newly cached for the step (head
+    first per request)."""
 
     budget: int
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    num_tokens: int = 0
     preempted: list[Request] = field(default_factory=list)
     newly_cached: list[int] = field(default_factory=list)
 
@@ -22,8 +24,13 @@ class StepPlan:
         they fill to the prefix cache."""
         self.scheduled.append((request, num_new))
         self.budget -= num_new
+        self.num_tokens += num_new
         if (request.num_computed_tokens + num_new) // kv.block_size > request.num_inserted_blocks:
             self.newly_cached.extend(kv.cache_scheduled_blocks(request, num_new))
+
+    def cap(self, limit: int) -> None:
+        """Let the whole step hold at most ``limit`` tokens (never raises the budget)."""
+        self.budget = max(0, min(self.budget, limit - self.num_tokens))
 
     def scheduled_ids(self) -> set[int]:
         """``id`` of every request scheduled so far."""

@@ -77,6 +77,11 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (a power of two)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
+    p.add_argument("--max-step-ms", type=positive_float, default=None, metavar="MS",
+                   help="target duration of a step while streams are decoding: prompt chunks get the tokens "
+                        "that the step cost measured on this machine leaves after the decodes (at least one "
+                        "block, at most --max-num-batched-tokens), which bounds inter-token latency; steps "
+                        "without decodes keep the full budget; needs chunked prefill (default: off)")
     p.add_argument("--enable-chunked-prefill", action=bool_flag, default=True,
                    help="split long prompts into chunks that share steps with decodes; takes an optional value")
     p.add_argument("--enable-prefix-caching", action=bool_flag, default=True,
