@@ -156,7 +156,7 @@ class StepMetadata:
     @property
     def num_seqs(self) -> int:
         """N: the step's sequences."""
-        return len(self.seq_lens)
+        return int(self.seq_lens.shape[0])
 
     @property
     def query_lens(self) -> np.ndarray:
