@@ -141,7 +141,7 @@ def test_doge_key_bias_is_served_exactly_up_to_keep_window_size():
         LLM(model, block_size=4, num_kv_blocks=64, max_model_len=32)
     llm = LLM(model, block_size=4, num_kv_blocks=64)
     try:
-        assert llm.engine.scheduler.config.max_model_len == 24
+        assert llm.max_model_len == 24
         key_spec = llm.engine.runner.layer_specs[0]
         assert key_spec.k_head_dim == key_spec.v_head_dim + 1  # the bias column
     finally:

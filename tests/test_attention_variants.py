@@ -140,6 +140,6 @@ def test_temperature_tuning_bounds_the_context():
     assert model.config._attn_implementation != "kvpage"
     llm = LLM(model, block_size=16, num_kv_blocks=1024, max_num_batched_tokens=16)  # no max_model_len: capped
     try:
-        assert llm.engine.scheduler.config.max_model_len == floor_scale - 1
+        assert llm.max_model_len == floor_scale - 1
     finally:
         llm.restore()

@@ -47,14 +47,14 @@ def _check_compiled_greedy(family: str) -> None:
     llm = LLM(model, block_size=4, num_kv_blocks=14 * kv_groups_of(model), max_num_batched_tokens=7, max_model_len=48,
               enforce_eager=False)
     try:
-        assert llm.engine.runner.compiled is not None
+        assert llm.runner.compiled is not None
         outs = llm.generate([prompts[3]] + prompts, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
                             use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs[1:]] == expected, family
         stats = llm.stats()
         assert stats["prefix_cache_hits"] > 0 and stats["num_preemptions"] > 0
         assert stats["num_free_blocks"] == stats["num_blocks"]
-        llm.engine.scheduler.check_integrity()
+        llm.check_integrity()
     finally:
         llm.restore()
 
@@ -76,7 +76,7 @@ def test_thread_count_change_after_warm_up_recompiles_instead_of_failing():
         after = llm.generate(prompts, params, use_tqdm=False)
         assert [o.outputs[0].finish_reason for o in after] == ["length", "length"]
         assert [o.outputs[0].token_ids for o in after] == before
-        assert not llm.engine.runner.compiled.skip_guards
+        assert not llm.runner.compiled.skip_guards
     finally:
         torch.set_num_threads(threads)
         llm.restore()
@@ -111,7 +111,7 @@ def test_governed_compiled_engine_has_an_entry_for_one_thread_fewer(monkeypatch)
         after = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         assert after == before
         assert counters["frames"]["ok"] == frames  # no compile: the entry was there
-        assert llm.engine.runner.compiled.skip_guards
+        assert llm.runner.compiled.skip_guards
     finally:
         torch.set_num_threads(threads)
         llm.restore()
@@ -119,7 +119,7 @@ def test_governed_compiled_engine_has_an_entry_for_one_thread_fewer(monkeypatch)
 
 def test_enforce_eager_runs_op_by_op():
     llm = LLM(tiny_model("llama"), block_size=4, num_kv_blocks=16, max_model_len=64, enforce_eager=True)
-    assert llm.engine.runner.compiled is None
+    assert llm.runner.compiled is None
     llm.restore()
 
 

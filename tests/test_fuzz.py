@@ -204,7 +204,7 @@ def test_async_engine_gives_valid_output_value_error_or_abort(async_llm):
             tasks = [_consume(async_llm, *client) for client in clients]
             got = await asyncio.wait_for(asyncio.gather(*tasks), STREAM_TIMEOUT_S)
             stats = await _wait_idle(async_llm)
-            integrity = async_llm._call(async_llm.engine.scheduler.check_integrity)
+            integrity = async_llm._call(async_llm.engine.check_integrity)
             await asyncio.wait_for(asyncio.wrap_future(integrity), 30)
             return got, stats
 

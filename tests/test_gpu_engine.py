@@ -31,7 +31,7 @@ def test_greedy_matches_hf_on_gpu_fp32(family):
     expected = [hf_greedy(model, p, 8) for p in prompts]
     llm = LLM(model, block_size=16, num_kv_blocks=64, max_model_len=128, max_num_batched_tokens=32)
     try:
-        assert llm.engine.runner.backend.name == "cuda"
+        assert llm.runner.backend.name == "cuda"
         outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == expected
         stats = llm.stats()
@@ -45,6 +45,6 @@ def test_gpu_memory_utilization_sizes_the_pool():
     llm = LLM(model, block_size=16, gpu_memory_utilization=0.05, max_model_len=128)
     try:
         total = torch.cuda.get_device_properties(0).total_memory
-        assert 0 < llm.stats()["num_blocks"] * llm.engine.runner.kv_cache.spec.bytes_per_block <= 0.05 * total
+        assert 0 < llm.stats()["num_blocks"] * llm.runner.kv_cache.spec.bytes_per_block <= 0.05 * total
     finally:
         llm.restore()

@@ -29,7 +29,7 @@ def _run(model, prompts, **options) -> list[list[int]]:
                             use_tqdm=False)
         stats = llm.stats()
         assert stats["num_free_blocks"] == stats["num_blocks"], "blocks leaked"
-        llm.engine.scheduler.check_integrity()
+        llm.check_integrity()
         return [o.outputs[0].token_ids for o in outs], stats
     finally:
         llm.restore()
@@ -135,12 +135,12 @@ def test_extended_families_match_hf(family):
 def test_per_layer_kv_spec(family, k_dim, v_dim, reuses):
     llm = LLM(tiny_model(family), block_size=4, num_kv_blocks=8, max_model_len=32)
     try:
-        spec = llm.engine.runner.kv_cache.spec
+        spec = llm.runner.kv_cache.spec
         assert [(layer.k_head_dim, layer.v_head_dim, layer.reuses) for layer in spec.layers] == \
             [(k_dim, v_dim, r) for r in reuses]
         owners = [spec.layers[i] for i in spec.owner_layers]
         assert spec.bytes_per_token == 4 * sum(l.k_heads * l.k_head_dim + l.v_heads * l.v_head_dim for l in owners)
-        assert llm.engine.runner.kv_cache.nbytes == 8 * spec.bytes_per_block  # reusing layers allocate nothing
+        assert llm.runner.kv_cache.nbytes == 8 * spec.bytes_per_block  # reusing layers allocate nothing
     finally:
         llm.restore()
 

@@ -43,7 +43,7 @@ def _generate(model, prompts, max_num_seqs=8, max_model_len=128, **options):
         while llm.engine.has_unfinished_requests():
             llm.engine.step()
             observe()
-            llm.engine.scheduler.check_integrity()
+            llm.check_integrity()
             finished.update({rid: out.outputs[0].token_ids for rid, out in llm.engine.take_finished().items()})
         stats = llm.stats()
         assert stats["num_free_blocks"] == stats["num_blocks"], "blocks leaked"
@@ -133,7 +133,7 @@ def test_config_spec_matches_the_probe(family):
     model = tiny_model(family)
     llm = LLM(model, block_size=4, num_kv_blocks=64, max_model_len=64)
     try:
-        probed = llm.engine.runner.kv_cache.spec
+        probed = llm.runner.kv_cache.spec
         planned = kv_spec_from_config(model.config, 4, probed.dtype)
         assert planned.layers == probed.layers
         assert planned.kv_groups().windows == probed.kv_groups().windows

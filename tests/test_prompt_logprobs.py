@@ -83,7 +83,7 @@ def test_prompt_logprobs_equal_hf(model, budget, cached_first):
         np.testing.assert_allclose([e.logprob for e in entries[1:]], _hf_prompt_logprobs(model, prompt), atol=1e-5)
         assert all(len(e.top) == 3 and max(e.top.values()) >= e.logprob for e in entries[1:])
         assert out.metrics.num_cached_tokens == 0
-        llm.engine.scheduler.check_integrity()
+        llm.check_integrity()
     finally:
         llm.restore()
 

@@ -135,7 +135,7 @@ async def _drive(engine: AsyncLLM, specs, on_progress) -> tuple[Counter, dict]:
             break
         assert time.monotonic() < deadline, f"the engine never went idle: {stats}"
         await asyncio.sleep(0.01)
-    await asyncio.wait_for(asyncio.wrap_future(engine._call(engine.engine.scheduler.check_integrity)), 30)
+    await asyncio.wait_for(asyncio.wrap_future(engine._call(engine.engine.check_integrity)), 30)
     return ends, greedy
 
 
