@@ -21,6 +21,8 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Protocol
 
+import numpy as np
+
 # Features are scaled to O(1) before the fit so that the 3x3 solve is well conditioned.
 _TOKEN_UNIT = 256.0
 _SEQ_UNIT = 16.0
@@ -62,10 +64,10 @@ class StepCostModel:
         self.min_observations = min_observations
         self.outlier_ratio = outlier_ratio
         self.max_rejections = max_rejections
-        # Weighted sums over x = (1, tokens/_TOKEN_UNIT, seqs/_SEQ_UNIT): sum w x x^T (row-major 3x3)
-        # and sum w x y, y in seconds.
-        self._gram = [0.0] * 9
-        self._moment = [0.0] * 3
+        # Weighted sums over x = (1, tokens/_TOKEN_UNIT, seqs/_SEQ_UNIT): sum w x x^T and
+        # sum w x y, y in seconds.
+        self._gram = np.zeros((3, 3))
+        self._moment = np.zeros(3)
         self._theta: Optional[tuple[float, float, float]] = None  # in scaled units
         self._tokens_seen = (math.inf, -math.inf)
         self._rejections_in_a_row = 0
@@ -100,14 +102,11 @@ class StepCostModel:
         return ratio > self.outlier_ratio or ratio * self.outlier_ratio < 1.0
 
     def _accept(self, t: float, s: float, y: float) -> None:
-        x = (1.0, t, s)
-        gram, moment, decay = self._gram, self._moment, self.decay
-        for i in range(3):
-            moment[i] = decay * moment[i] + x[i] * y
-            for j in range(3):
-                gram[3 * i + j] = decay * gram[3 * i + j] + x[i] * x[j]
+        x = np.array((1.0, t, s))
+        self._gram = self.decay * self._gram + np.outer(x, x)
+        self._moment = self.decay * self._moment + x * y
         self.num_accepted += 1
-        self._theta = _fit_non_negative(gram, moment)
+        self._theta = _fit_non_negative(self._gram, self._moment)
 
     # ------------------------------------------------------------------ predictions
     @property
@@ -141,45 +140,29 @@ class StepCostModel:
         return max(0, math.floor(spare / coef[1]))
 
 
-def _fit_non_negative(gram: list[float], moment: list[float]) -> Optional[tuple[float, float, float]]:
+def _fit_non_negative(gram: np.ndarray, moment: np.ndarray) -> tuple[float, float, float]:
     """Least squares (with the slopes' ridge) under non-negative coefficients: a negative one
     (a fit pulled by a few odd steps: a negative fixed cost, a negative cost per sequence) is
-    fixed at zero and the rest refitted. None before the first observation."""
+    fixed at zero and the rest refitted."""
     active = [0, 1, 2]
     while active:
         theta = _solve_subset(gram, moment, active)
-        if theta is None:
-            return None
         negative = [i for i in active if theta[i] < 0.0]
         if not negative:
-            return theta[0], theta[1], theta[2]
+            return float(theta[0]), float(theta[1]), float(theta[2])
         active.remove(min(negative, key=lambda i: theta[i]))
     return 0.0, 0.0, 0.0
 
 
-def _solve_subset(gram: list[float], moment: list[float], active: list[int]) -> Optional[list[float]]:
-    """Solve the normal equations restricted to ``active`` coefficients (the others zero) by
-    Gaussian elimination with partial pivoting; None if singular even with the ridge."""
-    n = len(active)
-    a = [[gram[3 * i + j] for j in active] + [moment[i]] for i in active]
-    for k, i in enumerate(active):
-        if i:
-            a[k][k] += _RIDGE * a[k][k] + 1e-12
-    for col in range(n):
-        pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
-        if abs(a[pivot][col]) < 1e-15:
-            return None
-        a[col], a[pivot] = a[pivot], a[col]
-        for row in range(col + 1, n):
-            factor = a[row][col] / a[col][col]
-            for k in range(col, n + 1):
-                a[row][k] -= factor * a[col][k]
-    solved = [0.0] * n
-    for i in reversed(range(n)):
-        solved[i] = (a[i][n] - sum(a[i][k] * solved[k] for k in range(i + 1, n))) / a[i][i]
-    theta = [0.0, 0.0, 0.0]
-    for k, i in enumerate(active):
-        theta[i] = solved[k]
+def _solve_subset(gram: np.ndarray, moment: np.ndarray, active: list[int]) -> np.ndarray:
+    """The normal equations restricted to ``active`` coefficients (the others zero). The fixed
+    term's diagonal is the sum of the weights (> 0 once a step is seen) and the slopes' carry
+    the ridge, so the system is positive definite."""
+    a = gram[np.ix_(active, active)].copy()
+    slopes = [k for k, i in enumerate(active) if i]
+    a[slopes, slopes] += _RIDGE * a[slopes, slopes] + 1e-12
+    theta = np.zeros(3)
+    theta[active] = np.linalg.solve(a, moment[active])
     return theta
 
 
