@@ -3,7 +3,7 @@
 A format is named by ``kv_cache_dtype`` (vLLM's names where vLLM has them):
 
 =============  =====================================================  ==========================
-name           one head's row of ``D`` values                          bytes per row
+name           one head's row of ``D`` values: codes, then scales      bytes per row
 =============  =====================================================  ==========================
 ``bfloat16``,  the values at that dtype                                ``D * itemsize``
 ``float16``,
@@ -24,8 +24,8 @@ name           one head's row of ``D`` values                          bytes per
 =============  =====================================================  ==========================
 
 ``G`` (:func:`int4_group`) is 64 where the head size is a multiple of 64, else 32, else
-the whole head. Every quantized row carries its own scales, so a block (its token rows)
-is self-contained: it moves as bytes through copy-on-write, the prefix cache, preemption
+the whole head. A quantized block of a layer is one span of bytes: the codes of its token
+rows, then their scales (:meth:`KVFormat.block_regions`), so it is self-contained: it moves as bytes through copy-on-write, the prefix cache, preemption
 and the host and disk tiers. Scales are per token (never per block or per channel across
 tokens), so a token's stored bytes depend only on its own K/V values: greedy output cannot
 depend on how a prompt was split into chunks or which blocks a prefix hit reused.
@@ -80,36 +80,47 @@ class KVFormat:
             raise ValueError(f"kv_cache_dtype int4 packs two values a byte: it needs an even head size, "
                              f"not {head_dim}")
 
-    def row_bytes(self, head_dim: int) -> int:
-        """Bytes of one head's row of ``head_dim`` values (codes and scales)."""
-        if head_dim == 0:
-            return 0
+    def code_bytes(self, head_dim: int) -> int:
+        """Bytes of one head's row of codes (of the values themselves, unquantized)."""
         if not self.quantized:
             return head_dim * _ITEMSIZE[self.name]
-        if self.is_fp8:
-            return head_dim + 1
-        if self.name == "int8":
-            return head_dim + 2
         self.check_head_dim(head_dim)
-        return head_dim // 2 + 4 * (head_dim // int4_group(head_dim))
+        return head_dim // 2 if self.name == "int4" else head_dim
 
-    def row_width(self, head_dim: int) -> int:
-        """The last dimension of a cache buffer of rows of ``head_dim`` values: ``head_dim``
-        unquantized, else ``row_bytes(head_dim)``."""
-        return self.row_bytes(head_dim) if self.quantized else head_dim
-
-    def head_dim_of(self, row_width: int) -> int:
-        """The head size whose rows are ``row_width`` wide (the inverse of :meth:`row_width`)."""
-        if not self.quantized or row_width == 0:
-            return row_width
+    def scale_bytes(self, head_dim: int) -> int:
+        """Bytes of one head's row of scales (0 unquantized)."""
+        if not self.quantized or head_dim == 0:
+            return 0
         if self.is_fp8:
-            return row_width - 1
+            return 1
         if self.name == "int8":
-            return row_width - 2
-        for head_dim in range(2, 2 * row_width + 1, 2):  # int4: row bytes grow with the head size
-            if self.row_bytes(head_dim) == row_width:
-                return head_dim
-        raise ValueError(f"no head size has int4 rows of {row_width} bytes")
+            return 2
+        return 4 * (head_dim // int4_group(head_dim))
+
+    def row_bytes(self, head_dim: int) -> int:
+        """Bytes one token stores for one head of ``head_dim`` values: codes and scales."""
+        return self.code_bytes(head_dim) + self.scale_bytes(head_dim)
+
+    def block_bytes(self, block_size: int, heads: int, head_dim: int) -> int:
+        """Bytes of one block of one layer's K (or V) buffer."""
+        return block_size * heads * self.row_bytes(head_dim)
+
+    def buffer_shape(self, num_blocks: int, block_size: int, heads: int, head_dim: int) -> tuple:
+        """The shape of one layer's K (or V) buffer: ``[num_blocks, block_size, heads,
+        head_dim]`` of values, or for a quantized format ``[num_blocks, block_bytes]`` bytes laid
+        out as :func:`block_regions` says."""
+        if not self.quantized:
+            return (num_blocks, block_size, heads, head_dim)
+        return (num_blocks, self.block_bytes(block_size, heads, head_dim))
+
+    def block_regions(self, block_size: int, heads: int, head_dim: int) -> tuple:
+        """A quantized block's two regions, as ``(offset, shape)`` pairs in bytes: the codes
+        ``[block_size, heads, code_bytes]`` from byte 0, then the scales ``[block_size, heads,
+        scale_bytes]``. Code rows stay 16-byte aligned (head sizes are multiples of 16 for the
+        kernels), which a GPU's vector loads need; a block's bytes are one contiguous span."""
+        codes = block_size * heads * self.code_bytes(head_dim)
+        return ((0, (block_size, heads, self.code_bytes(head_dim))),
+                (codes, (block_size, heads, self.scale_bytes(head_dim))))
 
 
 def int4_group(head_dim: int) -> int:
@@ -132,3 +143,33 @@ def resolve_kv_format(kv_cache_dtype: str, model_dtype: str) -> KVFormat:
             raise ValueError(f"model dtype must be one of {MODEL_DTYPES}, got {model_dtype!r}")
         return KVFormat(model_dtype)
     return KVFormat(_ALIASES.get(kv_cache_dtype, kv_cache_dtype))
+
+
+@dataclass(frozen=True, slots=True)
+class CacheFormat:
+    """What a kernel needs besides a layer's K (or V) buffer to read it: the format and the
+    block size. A quantized buffer is ``[num_blocks, block_bytes]`` bytes, whose head count
+    follows from its width and the head size (:meth:`logical_shape`)."""
+
+    kv_format: KVFormat
+    block_size: int
+
+    def __post_init__(self) -> None:
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size <= 0:
+            raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}")
+
+    @property
+    def quantized(self) -> bool:
+        return self.kv_format.quantized
+
+    def logical_shape(self, buffer_shape: tuple, head_dim: int) -> tuple:
+        """``(num_blocks, block_size, heads, head_dim)`` of a buffer of ``buffer_shape`` holding
+        rows of ``head_dim`` values (a 4-D unquantized shape is returned as it is)."""
+        if not self.quantized:
+            return tuple(buffer_shape)
+        num_blocks, block_bytes = buffer_shape
+        per_head = self.block_size * self.kv_format.row_bytes(head_dim)
+        if block_bytes % per_head:
+            raise ValueError(f"a {self.kv_format.name} block of {block_bytes} bytes does not hold rows of "
+                             f"{head_dim} values in blocks of {self.block_size} tokens")
+        return (num_blocks, self.block_size, block_bytes // per_head, head_dim)

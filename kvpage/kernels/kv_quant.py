@@ -1,6 +1,7 @@
 """Quantized K/V rows in numpy: the reference encoder and decoder of every quantized format.
 
-The byte layouts are :mod:`kvpage.core.kv_formats`'. :func:`quantize_rows` is the
+A row's codes and its scales are separate arrays, as they lie in separate regions of a
+block (:func:`block_views`). The byte layouts are :mod:`kvpage.core.kv_formats`'. :func:`quantize_rows` is the
 definition every other encoder (the native CPU store, the CUDA store) must match byte for
 byte, so its arithmetic is spelled out: float32 throughout, divisions (not multiplications
 by a reciprocal), rounding half to even, float16 conversions rounding to nearest even.
@@ -18,8 +19,9 @@ from kvpage.core.kv_formats import KVFormat, int4_group
 FP8 = {"fp8_e4m3": (4, 3, 7, 448.0), "fp8_e5m2": (5, 2, 15, 57344.0)}
 
 
-def quantize_rows(x: np.ndarray, fmt: KVFormat) -> np.ndarray:
-    """``x`` float ``[..., D]`` (one head's row per last axis) as ``uint8 [..., row_bytes(D)]``."""
+def quantize_rows(x: np.ndarray, fmt: KVFormat) -> tuple[np.ndarray, np.ndarray]:
+    """``x`` float ``[..., D]`` (one head's row per last axis) as uint8 ``(codes [..., code_bytes],
+    scales [..., scale_bytes])``."""
     if not fmt.quantized:
         raise ValueError(f"{fmt.name} is not a quantized format")
     x = np.ascontiguousarray(x, dtype=np.float32)
@@ -31,55 +33,59 @@ def quantize_rows(x: np.ndarray, fmt: KVFormat) -> np.ndarray:
     return _quantize_int4(x)
 
 
-def dequantize_rows(codes: np.ndarray, fmt: KVFormat) -> np.ndarray:
-    """The float32 ``[..., D]`` values that ``uint8 [..., row_bytes(D)]`` rows stand for."""
+def dequantize_rows(codes: np.ndarray, scales: np.ndarray, fmt: KVFormat) -> np.ndarray:
+    """The float32 ``[..., D]`` values that uint8 rows ``codes``/``scales`` stand for."""
     codes = np.ascontiguousarray(codes, dtype=np.uint8)
-    head_dim = fmt.head_dim_of(codes.shape[-1])
+    scales = np.ascontiguousarray(scales, dtype=np.uint8)
     if fmt.is_fp8:
-        exponent = codes[..., head_dim].view(np.int8).astype(np.int32)
-        return np.ldexp(fp8_table(fmt.name)[codes[..., :head_dim]], exponent[..., None]).astype(np.float32)
+        exponent = scales[..., 0].view(np.int8).astype(np.int32)
+        return np.ldexp(fp8_table(fmt.name)[codes], exponent[..., None]).astype(np.float32)
     if fmt.name == "int8":
-        scale = _float16_at(codes, head_dim)
-        return codes[..., :head_dim].view(np.int8).astype(np.float32) * scale[..., None]
+        return codes.view(np.int8).astype(np.float32) * scales.view(np.float16).astype(np.float32)
+    head_dim = 2 * codes.shape[-1]
     group = int4_group(head_dim)
-    packed = codes[..., :head_dim // 2]
-    nibbles = np.stack([packed & 15, packed >> 4], axis=-1).reshape(*codes.shape[:-1], head_dim).astype(np.float32)
-    params = codes[..., head_dim // 2:].copy().view(np.float16).astype(np.float32)  # [..., 2 * groups]
+    nibbles = np.stack([codes & 15, codes >> 4], axis=-1).reshape(*codes.shape[:-1], head_dim).astype(np.float32)
+    params = scales.view(np.float16).astype(np.float32)  # [..., 2 * groups]: (scale, min) per group
     scale = np.repeat(params[..., 0::2], group, axis=-1)
     low = np.repeat(params[..., 1::2], group, axis=-1)
     return (nibbles * scale + low).astype(np.float32)
 
 
-def _float16_at(codes: np.ndarray, offset: int) -> np.ndarray:
-    return codes[..., offset:offset + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+def block_views(buffer, fmt: KVFormat, block_size: int, heads: int, head_dim: int) -> tuple:
+    """Zero-copy views of a quantized buffer ``[num_blocks, block_bytes]`` (numpy or torch):
+    ``(codes [num_blocks, block_size, heads, code_bytes], scales [num_blocks, block_size, heads,
+    scale_bytes])``, the regions of :meth:`KVFormat.block_regions`."""
+    num_blocks = buffer.shape[0]
+    views = []
+    for offset, shape in fmt.block_regions(block_size, heads, head_dim):
+        size = shape[0] * shape[1] * shape[2]
+        region = buffer[:, offset:offset + size]
+        views.append(region.reshape(num_blocks, *shape) if isinstance(region, np.ndarray)
+                     else region.view(num_blocks, *shape))
+    return tuple(views)
 
 
-def _quantize_int8(x: np.ndarray) -> np.ndarray:
+def _quantize_int8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     amax = np.abs(x).max(axis=-1, keepdims=True)
     scale = (amax / np.float32(127)).astype(np.float16).astype(np.float32)
     safe = np.where(scale > 0, scale, np.float32(1))
     codes = np.where(scale > 0, np.clip(np.rint(x / safe), -127, 127), 0).astype(np.int8)
-    out = np.empty((*x.shape[:-1], x.shape[-1] + 2), np.uint8)
-    out[..., :-2] = codes.view(np.uint8)
-    out[..., -2:] = scale.astype(np.float16).view(np.uint8)
-    return out
+    return codes.view(np.uint8), np.ascontiguousarray(scale.astype(np.float16)).view(np.uint8)
 
 
-def _quantize_int4(x: np.ndarray) -> np.ndarray:
+def _quantize_int4(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     head_dim = x.shape[-1]
     group = int4_group(head_dim)
     grouped = x.reshape(*x.shape[:-1], head_dim // group, group)
-    low = grouped.min(axis=-1, keepdims=True).astype(np.float16).astype(np.float32)
-    high = grouped.max(axis=-1, keepdims=True)
-    scale = ((high - grouped.min(axis=-1, keepdims=True)) / np.float32(15)).astype(np.float16).astype(np.float32)
+    smallest = grouped.min(axis=-1, keepdims=True)
+    low = smallest.astype(np.float16).astype(np.float32)
+    scale = ((grouped.max(axis=-1, keepdims=True) - smallest) / np.float32(15)).astype(np.float16).astype(np.float32)
     safe = np.where(scale > 0, scale, np.float32(1))
     codes = np.where(scale > 0, np.clip(np.rint((grouped - low) / safe), 0, 15), 0).astype(np.uint8)
     codes = codes.reshape(*x.shape[:-1], head_dim // 2, 2)
     params = np.concatenate([scale, low], axis=-1).astype(np.float16)  # [..., groups, 2]: (scale, min)
-    out = np.empty((*x.shape[:-1], head_dim // 2 + 4 * (head_dim // group)), np.uint8)
-    out[..., :head_dim // 2] = codes[..., 0] | (codes[..., 1] << 4)
-    out[..., head_dim // 2:] = params.reshape(*x.shape[:-1], -1).view(np.uint8)
-    return out
+    packed = (codes[..., 0] | (codes[..., 1] << 4)).astype(np.uint8)
+    return packed, np.ascontiguousarray(params.reshape(*x.shape[:-1], -1)).view(np.uint8)
 
 
 @functools.lru_cache(maxsize=None)
@@ -129,11 +135,7 @@ def encode_fp8(y: np.ndarray, name: str) -> np.ndarray:
     return (sign | (field << man_bits) | mantissa).astype(np.uint8)
 
 
-def _quantize_fp8(x: np.ndarray, name: str) -> np.ndarray:
-    amax = np.abs(x).max(axis=-1)
-    exponent = fp8_exponent(amax, name)
+def _quantize_fp8(x: np.ndarray, name: str) -> tuple[np.ndarray, np.ndarray]:
+    exponent = fp8_exponent(np.abs(x).max(axis=-1), name)
     scaled = np.ldexp(x, -exponent[..., None]).astype(np.float32)
-    out = np.empty((*x.shape[:-1], x.shape[-1] + 1), np.uint8)
-    out[..., :-1] = encode_fp8(scaled, name)
-    out[..., -1] = exponent.astype(np.int8).view(np.uint8)
-    return out
+    return encode_fp8(scaled, name), exponent.astype(np.int8).view(np.uint8)[..., None]
