@@ -2,12 +2,17 @@
 
 Public entry points (same contract as ``kvpage.attention.reference``):
 
-* ``store_kv(key_cache, value_cache, k, v, slot_mapping, *, stream=None)``
+* ``store_kv(key_cache, value_cache, k, v, slot_mapping, cache_format=None, *, stream=None)``
 * ``paged_attention(q, key_cache, value_cache, query_start_loc, seq_lens, block_tables,
   scaling, sliding_window=None, softcap=None, sinks=None, *, num_splits=None, stream=None,
-  decode_kernel="auto", ...)``: decodes run on the fast kernel (``decode_fast``) where it
-  supports the shape on a real GPU, else on the reference kernels (``decode_kernels``,
-  ``attention_kernels``), which also run under the simulator.
+  decode_kernel="auto", cache_format=None, ...)``: decodes run on the fast kernel
+  (``decode_fast``) where it supports the shape on a real GPU, else on the reference kernels
+  (``decode_kernels``, ``attention_kernels``), which also run under the simulator.
+
+``cache_format`` (a quantized ``kvpage.core.kv_formats.CacheFormat``: fp8_e4m3, fp8_e5m2,
+int8, int4) makes the caches uint8 ``[num_blocks, block_bytes]`` buffers: ``store_kv``
+quantizes rows into them (``quant_store``, byte-identical to ``kv_quant.quantize_rows``) and
+the reference kernels dequantize each K/V element as they load it (``quant_load``).
 
 Importing this package never touches a GPU and imports neither numba nor cupy nor torch:
 the wrappers load on first attribute access and kernels compile on first launch.

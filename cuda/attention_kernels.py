@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
+from typing import Optional
 
 # Module-level so the simulator can swap ``cuda`` in the kernels' globals; this module is
 # imported only by the launch wrappers, never by ``kvpage.cuda`` itself.
 from numba import cuda, float32, int32, int64
 
+from .quant_load import kv_loader
 from .row_output import write_row_element
 
 # Kernel arguments that are flags use these conventions (runtime values, uniform per launch):
@@ -37,7 +39,8 @@ NEG_INF = -math.inf
 
 
 @lru_cache(maxsize=None)
-def attention_kernel(rows: int, head_dim: int, group: int, tile: int, threads: int):
+def attention_kernel(rows: int, head_dim: int, group: int, tile: int, threads: int,
+                     kv_format: Optional[str] = None):
     """The tiled paged-attention kernel for one compile-time configuration.
 
     Args:
@@ -46,6 +49,9 @@ def attention_kernel(rows: int, head_dim: int, group: int, tile: int, threads: i
         group: query heads per kv head (GQA group size).
         tile: keys per shared-memory tile.
         threads: threads per block (the launch must use exactly this many).
+        kv_format: None (or an unquantized format name): caches of values; a quantized
+            ``KVFormat`` name: uint8 caches ``[num_blocks, block_bytes]`` whose elements are
+            dequantized in registers as the tile loads (``quant_load``).
 
     Kernel signature (launch grid ``(num_seqs * row_tiles, num_kv_heads, num_splits)``)::
 
@@ -53,7 +59,8 @@ def attention_kernel(rows: int, head_dim: int, group: int, tile: int, threads: i
                seq_offset, row_tiles, scaling, window, softcap, sinks, has_sinks,
                partition, write_partials, out, part_max, part_sum, part_acc)
 
-    ``q``/``out`` are ``[T, H, D]``; caches ``[num_blocks, block_size, H_kv, D]``;
+    ``q``/``out`` are ``[T, H, D]``; caches ``[num_blocks, block_size, H_kv, D]`` (quantized:
+    ``[num_blocks, block_bytes]`` uint8, the grid's ``y`` extent being ``H_kv``);
     ``part_max``/``part_sum`` ``[T, H, S]`` fp32; ``part_acc`` ``[T, H, S, D]`` fp32.
     Sequence index of grid row ``x`` is ``seq_offset + x // row_tiles``.
     """
@@ -64,6 +71,7 @@ def attention_kernel(rows: int, head_dim: int, group: int, tile: int, threads: i
     NT = threads
     KSTRIDE = D + 1  # pad K rows so threads reading K[t, d] for consecutive t hit distinct banks
     PAIRS = -(-(R * D) // NT)  # accumulator elements owned by each thread
+    block_size_of, load = kv_loader(kv_format, head_dim)
 
     @cuda.jit(fastmath=False)
     def kernel(q, key_cache, value_cache, query_start_loc, seq_lens, block_tables,
@@ -97,7 +105,8 @@ def attention_kernel(rows: int, head_dim: int, group: int, tile: int, threads: i
         n_rows = min(int64(R), q_len * G - row0)
         if n_rows <= 0:
             return  # whole block past this sequence's rows (ragged batch padding)
-        block_size = int32(key_cache.shape[1])
+        kv_heads = cuda.gridDim.y
+        block_size = block_size_of(key_cache, kv_heads)
         first_pos = ctx - q_len + row0 // G
         last_pos = ctx - q_len + (row0 + n_rows - 1) // G
 
@@ -151,8 +160,8 @@ def attention_kernel(rows: int, head_dim: int, group: int, tile: int, threads: i
                 kv = float32(0.0)
                 vv = float32(0.0)
                 if t0 + t < kend:
-                    kv = float32(key_cache[tb_s[t], to_s[t], kv_head, d])
-                    vv = float32(value_cache[tb_s[t], to_s[t], kv_head, d])
+                    kv = load(key_cache, tb_s[t], to_s[t], kv_head, d, kv_heads, block_size)
+                    vv = load(value_cache, tb_s[t], to_s[t], kv_head, d, kv_heads, block_size)
                 k_s[t, d] = kv
                 v_s[t, d] = vv
                 e += NT

@@ -29,10 +29,12 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
+from typing import Optional
 
 from numba import cuda, float32, int32, int64
 
 from .launch_config import score_chunks
+from .quant_load import kv_loader
 from .row_output import write_row_element
 
 NEG_INF = -math.inf
@@ -42,7 +44,8 @@ VALUE_ROUND = 8
 
 
 @lru_cache(maxsize=None)
-def decode_kernel(head_dim: int, group: int, key_tile: int, max_partition: int, threads: int):
+def decode_kernel(head_dim: int, group: int, key_tile: int, max_partition: int, threads: int,
+                  kv_format: Optional[str] = None):
     """The decode kernel for one compile-time configuration.
 
     Args:
@@ -51,6 +54,9 @@ def decode_kernel(head_dim: int, group: int, key_tile: int, max_partition: int, 
         key_tile: keys per shared-memory K tile.
         max_partition: most keys one block covers (the launch's ``partition`` never exceeds it).
         threads: threads per block (the launch must use exactly this many).
+        kv_format: None (or an unquantized format name): caches ``[N, B, H_kv, D]`` of values;
+            a quantized ``KVFormat`` name: uint8 caches ``[N, block_bytes]`` whose elements are
+            dequantized in registers as they load (``quant_load``).
 
     Kernel signature (launch grid ``(num_decodes, num_kv_heads, num_splits)``)::
 
@@ -59,7 +65,8 @@ def decode_kernel(head_dim: int, group: int, key_tile: int, max_partition: int, 
                part_max, part_sum, part_acc)
 
     Shapes and flag conventions as ``attention_kernels.attention_kernel``; sequence
-    ``blockIdx.x`` has exactly one query token, at ``query_start_loc[blockIdx.x]``.
+    ``blockIdx.x`` has exactly one query token, at ``query_start_loc[blockIdx.x]``. The grid's
+    ``y`` extent is the number of kv heads (a quantized cache's block size follows from it).
     """
     if threads < group:
         raise ValueError(f"threads_per_block ({threads}) must be at least the heads per kv head ({group})")
@@ -76,6 +83,7 @@ def decode_kernel(head_dim: int, group: int, key_tile: int, max_partition: int, 
     U = VALUE_ROUND
     SP = KT * G * C if C > 1 else 1  # partial dots of pass 1
     PV = KS * G * D if KS > 1 else 1  # per-slice accumulators of pass 3
+    block_size_of, load = kv_loader(kv_format, head_dim)
 
     @cuda.jit(fastmath=False)
     def kernel(q, key_cache, value_cache, query_start_loc, seq_lens, block_tables, scaling, window,
@@ -101,7 +109,8 @@ def decode_kernel(head_dim: int, group: int, key_tile: int, max_partition: int, 
         split = cuda.blockIdx.z
         tok = int64(query_start_loc[seq])
         ctx = int64(seq_lens[seq])
-        block_size = int32(key_cache.shape[1])
+        kv_heads = cuda.gridDim.y
+        block_size = block_size_of(key_cache, kv_heads)
         klo = int64(0)
         if window > 0:
             klo = max(int64(0), ctx - window)  # the query sits at ctx - 1 and sees window keys
@@ -135,7 +144,7 @@ def decode_kernel(head_dim: int, group: int, key_tile: int, max_partition: int, 
                     if k0 + k < K_LOADS and e < KT * D:
                         i = t0 + e // D
                         if i < n:
-                            val = float32(key_cache[blk_s[i], off_s[i], kv_head, e % D])
+                            val = load(key_cache, blk_s[i], off_s[i], kv_head, e % D, kv_heads, block_size)
                     v_reg[k] = val
                 for k in range(U):
                     e = tid + (k0 + k) * NT
@@ -223,7 +232,7 @@ def decode_kernel(head_dim: int, group: int, key_tile: int, max_partition: int, 
                         ii = i + u * KS
                         val = float32(0.0)
                         if ii < n:
-                            val = float32(value_cache[blk_s[ii], off_s[ii], kv_head, d])
+                            val = load(value_cache, blk_s[ii], off_s[ii], kv_head, d, kv_heads, block_size)
                         v_reg[u] = val
                     for u in range(U):
                         ii = i + u * KS

@@ -8,6 +8,12 @@ caller's current stream and do not synchronise.
 
 Dtypes: q and the caches are float16 or float32; torch bfloat16 runs on the fast decode
 kernel only (it reads bits), so a bf16 batch must be decodes alone. Accumulation is fp32.
+
+Quantized caches (``cache_format`` a quantized ``kvpage.core.kv_formats.CacheFormat``): uint8
+buffers ``[num_blocks, block_bytes]`` (``quant_ops``); ``store_kv`` quantizes float16/float32
+rows into them, byte-identical to ``kvpage.kernels.kv_quant.quantize_rows``, and
+``paged_attention`` (float16/float32 q) runs the reference kernels, which dequantize each K/V
+element in registers as they load it.
 """
 from __future__ import annotations
 
@@ -21,12 +27,15 @@ from .fast_dispatch import dtype_name, launch_fast, num_sms, use_fast_decode
 from .interop import CUPY, TORCH, array_kind, as_kernel_arg, empty_like_kind, resolve_stream, simulator_enabled
 from .launch_args import LaunchArgs, meta_arg
 from .launch_config import choose_decode_tiles, choose_splits, choose_tile, prefill_rows
+from .quant_ops import check_decode_mode, check_rows, logical_shape, quantized, store_quantized
 from .workspace import array_device, workspace
 
 #: Dtypes of q and the caches (bfloat16: torch arrays, on the fast decode kernel only).
 _FLOAT_DTYPES = ("float16", "float32", "bfloat16")
 _DEFAULT_THREADS = 128
 _SIM_THREADS = 16
+#: One thread quantizes one (token, head) row: small blocks spread a step's rows over the SMs.
+_QUANT_STORE_THREADS = 64
 
 
 def _prepare() -> None:
@@ -62,13 +71,22 @@ def _result(out: Any, like: Any) -> Any:
     return out
 
 
-def store_kv(key_cache: Any, value_cache: Any, k: Any, v: Any, slot_mapping: Any, *,
+def store_kv(key_cache: Any, value_cache: Any, k: Any, v: Any, slot_mapping: Any, cache_format: Any = None, *,
              stream: Optional[Any] = None, threads_per_block: Optional[int] = None) -> None:
     """Scatter ``k``/``v`` ``[T, H_kv, D]`` into the caches at flat slots ``slot_mapping [T]``.
 
     The caches are updated in place, so they must be device arrays (host numpy only under
-    the simulator). Negative slots are skipped (padding tokens).
+    the simulator). Negative slots are skipped (padding tokens). With a quantized
+    ``cache_format`` the caches are its uint8 buffers and each row is quantized as it is
+    stored (``quant_ops.store_quantized``).
     """
+    fmt = quantized(cache_format)
+    if fmt is not None:
+        _prepare()
+        threads = threads_per_block or (_SIM_THREADS if simulator_enabled() else _QUANT_STORE_THREADS)
+        store_quantized(key_cache, value_cache, k, v, slot_mapping, fmt,
+                        resolve_stream(stream, (key_cache, k)), threads)
+        return
     if tuple(key_cache.shape) != tuple(value_cache.shape) or len(key_cache.shape) != 4:
         raise ValueError(f"key/value caches must share a 4-D shape, got {tuple(key_cache.shape)} "
                          f"and {tuple(value_cache.shape)}")
@@ -104,7 +122,7 @@ def paged_attention(
     sinks: Optional[Any] = None, *, num_splits: Optional[int] = None, stream: Optional[Any] = None,
     num_decodes: Optional[int] = None, max_prefill_query_len: Optional[int] = None,
     max_seq_len: Optional[int] = None, threads_per_block: Optional[int] = None, kv_tile: Optional[int] = None,
-    decode_kernel: str = "auto",
+    decode_kernel: str = "auto", cache_format: Any = None,
 ) -> Any:
     """Paged attention over a ragged batch; returns ``[T, H, D]`` in ``q``'s dtype.
 
@@ -122,8 +140,12 @@ def paged_attention(
         stream: stream to launch on (default: the arrays' library's current stream).
         threads_per_block, kv_tile: reference-kernel knobs (defaults: 128 threads, the largest
             tile in 46 KiB of shared memory; tiny values keep the simulator fast).
+        cache_format: a quantized ``CacheFormat`` for uint8 caches ``[num_blocks, block_bytes]``
+            (decodes on the reference kernel: ``decode_kernel="fast"`` is a ValueError); None
+            or an unquantized one: caches of values.
     """
-    shapes = _check_attention_shapes(q, key_cache, value_cache, query_start_loc, seq_lens, block_tables, sinks)
+    fmt = quantized(cache_format)
+    shapes = _check_attention_shapes(q, key_cache, value_cache, query_start_loc, seq_lens, block_tables, sinks, fmt)
     window = int(sliding_window or 0)
     if window < 0:
         raise ValueError(f"sliding_window must be positive, got {sliding_window}")
@@ -131,7 +153,12 @@ def paged_attention(
     sizes = _batch_sizes(query_start_loc, seq_lens, shapes.num_tokens, window, num_decodes, max_prefill_query_len,
                          max_seq_len)
     has_prefill = num_seqs > sizes.num_decodes and sizes.max_prefill_query_len > 0
-    fast = use_fast_decode(decode_kernel, q, key_cache, value_cache, shapes.head_dim, shapes.group, has_prefill)
+    if fmt is not None:
+        check_decode_mode(decode_kernel, fmt)
+        fast = False
+    else:
+        fast = use_fast_decode(decode_kernel, q, key_cache, value_cache, shapes.head_dim, shapes.group, has_prefill)
+    kv_format = fmt.kv_format.name if fmt is not None else None
     _prepare()
     launch_stream = resolve_stream(stream, (q, key_cache))
     out = _new_output(q, (shapes.num_tokens, shapes.num_heads, shapes.head_dim), launch_stream)
@@ -144,9 +171,9 @@ def paged_attention(
     if sizes.num_decodes and fast:
         launch_fast(launch, sizes.num_decodes, num_seqs, sizes.max_decode_ctx, num_splits)
     elif sizes.num_decodes:
-        _launch_decode(launch, shapes, sizes, num_splits, kv_tile)
+        _launch_decode(launch, shapes, sizes, num_splits, kv_tile, kv_format)
     if has_prefill:
-        _launch_prefill(launch, shapes, sizes, num_seqs, kv_tile)
+        _launch_prefill(launch, shapes, sizes, num_seqs, kv_tile, kv_format)
     return _result(out, q)
 
 
@@ -195,7 +222,7 @@ def _batch_sizes(query_start_loc, seq_lens, num_tokens: int, window: int, num_de
 
 
 def _launch_decode(launch: LaunchArgs, shapes: _Shapes, sizes: _BatchSizes, num_splits: Optional[int],
-                   kv_tile: Optional[int]) -> None:
+                   kv_tile: Optional[int], kv_format: Optional[str]) -> None:
     """The split-K decode of the first ``sizes.num_decodes`` sequences."""
     from .attention_kernels import merge_kernel  # numba.cuda loads here, not before
     from .decode_kernels import decode_kernel
@@ -203,25 +230,32 @@ def _launch_decode(launch: LaunchArgs, shapes: _Shapes, sizes: _BatchSizes, num_
     tile, max_partition = choose_decode_tiles(shapes.group, shapes.head_dim, launch.threads, kv_tile)
     splits, partition = choose_splits(sizes.num_decodes * shapes.num_kv_heads, sizes.max_decode_ctx, tile, num_sms(),
                                       num_splits, max_partition)
-    launch.decode(decode_kernel(shapes.head_dim, shapes.group, tile, max_partition, launch.threads), merge_kernel,
+    launch.decode(decode_kernel(shapes.head_dim, shapes.group, tile, max_partition, launch.threads, kv_format),
+                  merge_kernel,
                   sizes.num_decodes, shapes.num_kv_heads, shapes.num_heads, shapes.head_dim, splits, partition)
 
 
 def _launch_prefill(launch: LaunchArgs, shapes: _Shapes, sizes: _BatchSizes, num_seqs: int,
-                    kv_tile: Optional[int]) -> None:
+                    kv_tile: Optional[int], kv_format: Optional[str]) -> None:
     """The tiled attention of the sequences after the decodes (prefills and chunks)."""
     from .attention_kernels import attention_kernel  # numba.cuda loads here, not before
 
     rows = prefill_rows(shapes.group, 4 if simulator_enabled() else 16)
     tile = kv_tile or choose_tile(rows, shapes.head_dim)
     row_tiles = -(-(sizes.max_prefill_query_len * shapes.group) // rows)
-    launch.prefill(attention_kernel(rows, shapes.head_dim, shapes.group, tile, launch.threads),
+    launch.prefill(attention_kernel(rows, shapes.head_dim, shapes.group, tile, launch.threads, kv_format),
                    (num_seqs - sizes.num_decodes) * row_tiles, shapes.num_kv_heads, sizes.num_decodes, row_tiles,
                    max(1, sizes.max_seq_len))
 
 
-def _check_attention_shapes(q, key_cache, value_cache, query_start_loc, seq_lens, block_tables, sinks) -> _Shapes:
-    """Validate shapes and dtypes; return the call's sizes."""
+def _check_attention_shapes(q, key_cache, value_cache, query_start_loc, seq_lens, block_tables, sinks,
+                            fmt=None) -> _Shapes:
+    """Validate shapes and dtypes; return the call's sizes (``fmt``: a quantized CacheFormat)."""
+    if fmt is not None and len(q.shape) == 3:
+        check_rows("q", q)
+        _, _, num_kv_heads, head_dim = logical_shape(key_cache, value_cache, int(q.shape[2]), fmt)
+        _check_batch_shapes(int(q.shape[1]), num_kv_heads, query_start_loc, seq_lens, block_tables, sinks)
+        return _Shapes(int(q.shape[0]), int(q.shape[1]), head_dim, num_kv_heads)
     if len(q.shape) != 3 or len(key_cache.shape) != 4 or tuple(key_cache.shape) != tuple(value_cache.shape):
         raise ValueError(f"expected q [T, H, D] and two equal caches [N, B, H_kv, D], got {tuple(q.shape)}, "
                          f"{tuple(key_cache.shape)}, {tuple(value_cache.shape)}")
@@ -229,10 +263,16 @@ def _check_attention_shapes(q, key_cache, value_cache, query_start_loc, seq_lens
     num_kv_heads = int(key_cache.shape[2])
     if int(key_cache.shape[3]) != head_dim:
         raise ValueError(f"head_dim mismatch: q has {head_dim}, caches have {key_cache.shape[3]}")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
     for name, arr in (("q", q), ("key_cache", key_cache), ("value_cache", value_cache)):
         _check_float(name, arr)
+    _check_batch_shapes(num_heads, num_kv_heads, query_start_loc, seq_lens, block_tables, sinks)
+    return _Shapes(num_tokens, num_heads, head_dim, num_kv_heads)
+
+
+def _check_batch_shapes(num_heads: int, num_kv_heads: int, query_start_loc, seq_lens, block_tables, sinks) -> None:
+    """The GQA ratio and the metadata's shapes."""
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
     num_seqs = int(seq_lens.shape[0])
     if tuple(query_start_loc.shape) != (num_seqs + 1,):
         raise ValueError(f"query_start_loc must be [{num_seqs + 1}], got {tuple(query_start_loc.shape)}")
@@ -240,7 +280,6 @@ def _check_attention_shapes(q, key_cache, value_cache, query_start_loc, seq_lens
         raise ValueError(f"block_tables must be [{num_seqs}, max_blocks], got {tuple(block_tables.shape)}")
     if sinks is not None and tuple(sinks.shape) != (num_heads,):
         raise ValueError(f"sinks must be [{num_heads}], got {tuple(sinks.shape)}")
-    return _Shapes(num_tokens, num_heads, head_dim, num_kv_heads)
 
 
 def _sizes_from_host(query_start_loc, seq_lens, num_tokens: int, num_decodes: Optional[int]) -> _BatchSizes:

@@ -7,8 +7,10 @@ stack, spills and shared memory. Used by ``tests/test_cuda_ptx.py`` and ``benchm
     NUMBA_FORCE_CUDA_CC=9.0 python -m kvpage.cuda.ptx_check [--json] [--fast] [--only NAME,...]
 
 ``--json`` prints one object per variant (``PtxResult.row``), else a table; ``--fast``
-keeps the fast decode variants only. Needs libNVVM + libdevice (CUDA toolkit, or the
-``nvidia-nvvm``/``nvidia-cuda-nvcc`` wheels); NVRTC is optional (``toolchain.ensure_toolchain``).
+keeps the fast decode variants only. The variants: the reference kernels (fp16/fp32), the
+quantized-cache store/decode/prefill kernels (``quant_variant_names``) and the fast decode ones.
+Needs libNVVM + libdevice (CUDA toolkit, or the ``nvidia-nvvm``/``nvidia-cuda-nvcc`` wheels);
+NVRTC is optional (``toolchain.ensure_toolchain``).
 """
 from __future__ import annotations
 
@@ -111,6 +113,45 @@ def _reference_variants() -> list[Variant]:
     return out
 
 
+#: The quantized KV formats whose store and reference attention kernels are compiled.
+QUANT_FORMATS = ("fp8_e4m3", "fp8_e5m2", "int8", "int4")
+
+
+def quant_variant_names() -> list[str]:
+    """Names of the quantized-cache variants (``_quant_variants``)."""
+    return [f"{kind}_{fmt}" for fmt in QUANT_FORMATS
+            for kind in ("store_kv_fp16", "decode_g4_d128_fp16", "attention_prefill_g4_d128_fp16")]
+
+
+def _quant_variants() -> list[Variant]:
+    """Store, decode and prefill kernels over uint8 caches ``[num_blocks, block_bytes]`` of each
+    quantized format (fp16 q and rows), at a real model's shape."""
+    from numba.cuda import types as T
+
+    from .attention_kernels import attention_kernel
+    from .decode_kernels import decode_kernel
+    from .quant_store import quant_store_kernel
+
+    def arr(dtype, ndim):
+        return T.Array(dtype, ndim, "C")
+
+    i32, i64, f32, f64, f16, u8 = T.int32, T.int64, T.float32, T.float64, T.float16, T.uint8
+    parts = (arr(f32, 3), arr(f32, 3), arr(f32, 4))
+    meta = (arr(i32, 1), arr(i32, 1), arr(i32, 2))
+    out = []
+    for fmt in QUANT_FORMATS:
+        store = (arr(u8, 2), arr(u8, 2), arr(f16, 3), arr(f16, 3), arr(i64, 1), i64)
+        decode = (arr(f16, 3), arr(u8, 2), arr(u8, 2), *meta, f64, i64, f64, arr(f32, 1), i64, i64, i64,
+                  arr(f16, 3), *parts)
+        prefill = (arr(f16, 3), arr(u8, 2), arr(u8, 2), *meta, i64, i64, f64, i64, f64, arr(f32, 1), i64, i64, i64,
+                   arr(f16, 3), *parts)
+        out += [Variant(f"store_kv_fp16_{fmt}", quant_store_kernel(fmt, 128).py_func, store, {}),
+                Variant(f"decode_g4_d128_fp16_{fmt}", decode_kernel(128, 4, 32, 512, 128, fmt).py_func, decode, {}),
+                Variant(f"attention_prefill_g4_d128_fp16_{fmt}", attention_kernel(16, 128, 4, 16, 128, fmt).py_func,
+                        prefill, {})]
+    return out
+
+
 def fast_variant_name(head_dim: int, group: int, kv_dtype: str) -> str:
     return f"fast_decode_d{head_dim}_g{group}_{kv_dtype}"
 
@@ -150,7 +191,7 @@ def compile_all(cc: tuple[int, int] = (9, 0), fast_only: bool = False,
     from numba import cuda
 
     ensure_toolchain(cc)
-    variants = _fast_variants() if fast_only else _reference_variants() + _fast_variants()
+    variants = _fast_variants() if fast_only else _reference_variants() + _quant_variants() + _fast_variants()
     results = []
     for variant in variants:
         if only is None or variant.name in only:

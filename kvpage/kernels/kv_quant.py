@@ -77,9 +77,11 @@ def _quantize_int4(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     head_dim = x.shape[-1]
     group = int4_group(head_dim)
     grouped = x.reshape(*x.shape[:-1], head_dim // group, group)
-    smallest = grouped.min(axis=-1, keepdims=True)
+    # + 0.0 turns -0.0 into +0.0: which signed zero min/max return depends on element order.
+    smallest = grouped.min(axis=-1, keepdims=True) + np.float32(0)
+    largest = grouped.max(axis=-1, keepdims=True) + np.float32(0)
     low = smallest.astype(np.float16).astype(np.float32)
-    scale = ((grouped.max(axis=-1, keepdims=True) - smallest) / np.float32(15)).astype(np.float16).astype(np.float32)
+    scale = ((largest - smallest) / np.float32(15)).astype(np.float16).astype(np.float32)
     safe = np.where(scale > 0, scale, np.float32(1))
     codes = np.where(scale > 0, np.clip(np.rint((grouped - low) / safe), 0, 15), 0).astype(np.uint8)
     codes = codes.reshape(*x.shape[:-1], head_dim // 2, 2)
