@@ -6,9 +6,15 @@
 numpy oracle (slow; for checking). Every size a backend needs (``num_decodes``,
 ``max_prefill_query_len``, ...) is read from the ``StepMetadata``, never recomputed.
 Other backends join with ``register_attention_backend(name, factory)``.
+
+A KV cache of a quantized format (``kv_cache_dtype`` fp8, int8, int4: uint8 ``[num_blocks,
+block_bytes]`` buffers, ``kvpage.core.kv_formats``) is a backend's to read: ``select_backend``
+hands the ``CacheFormat`` to the factory, and all three built-in backends take every format.
+Where the format stores heads rotated (int4), the backend comes wrapped in ``RotatedBackend``.
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -17,10 +23,13 @@ import torch
 
 from kvpage.attention.cpu import CPUAttention, CPUKernelChoice
 from kvpage.attention.cpu_metadata import CPUAttentionMetadata, LayerCall, prepare_cpu_attention_metadata
-from kvpage.attention.reference import paged_attention_reference
+from kvpage.attention.kv_rotation import rotates
+from kvpage.attention.reference import paged_attention_reference, quantized, write_kv_reference
+from kvpage.core.kv_formats import CacheFormat
 from kvpage.core.sched.metadata import StepMetadata
 
 from .forward_context import AttentionBackend
+from .rotated_backend import RotatedBackend
 
 
 @dataclass(slots=True)
@@ -31,44 +40,64 @@ class ReferenceStep:
     slot_mapping: torch.Tensor  # int64 [T]
 
 
+def _as_f32(t: torch.Tensor) -> np.ndarray:
+    return t.detach().float().cpu().numpy()
+
+
+def _as_bytes(t: torch.Tensor) -> np.ndarray:
+    """A uint8 buffer as numpy: zero-copy on the CPU (writes land in the tensor), else a host copy."""
+    return t.detach().cpu().numpy()
+
+
 class ReferenceBackend:
-    """The numpy reference, through float32 copies. Exact semantics, no speed."""
+    """The numpy reference, through float32 copies (a quantized cache: its bytes, read and
+    written in place on the CPU). Exact semantics, no speed."""
 
     name = "reference"
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, cache_format: Optional[CacheFormat] = None) -> None:
         self.device = device
+        self.cache_format = quantized(cache_format)
 
     def prepare(self, metadata: StepMetadata) -> ReferenceStep:
         return ReferenceStep(metadata, torch.as_tensor(metadata.slot_mapping, dtype=torch.int64, device=self.device))
 
     def write_kv(self, key_cache, value_cache, k, v, prepared: ReferenceStep) -> None:
-        from kvpage.attention.torch_cpu import write_kv_torch
+        fmt = self.cache_format
+        if fmt is not None and key_cache.device.type == "cpu":
+            write_kv_reference(_as_bytes(key_cache), _as_bytes(value_cache), _as_f32(k), _as_f32(v),
+                               prepared.metadata.slot_mapping, fmt)
+            return
+        from kvpage.attention.torch_cpu import write_kv_torch  # a quantized GPU cache: the same bytes, scattered
 
-        write_kv_torch(key_cache, value_cache, k, v, prepared.slot_mapping)
+        write_kv_torch(key_cache, value_cache, k, v, prepared.slot_mapping, fmt)
 
     def attention(self, q, key_cache, value_cache, prepared: ReferenceStep, scaling: float,
                   sliding_window: Optional[int], softcap: Optional[float], sinks: Optional[torch.Tensor],
                   attention_chunk: Optional[int] = None, alibi_slopes: Optional[torch.Tensor] = None):
-        as_np = lambda t: t.detach().float().cpu().numpy()  # noqa: E731
         md = prepared.metadata
+        caches = _as_f32 if self.cache_format is None else _as_bytes
         out = paged_attention_reference(
-            as_np(q), as_np(key_cache), as_np(value_cache), md.query_start_loc, md.seq_lens, md.block_tables,
-            scaling, sliding_window, softcap, None if sinks is None else as_np(sinks), attention_chunk=attention_chunk,
-            alibi_slopes=None if alibi_slopes is None else as_np(alibi_slopes),
+            _as_f32(q), caches(key_cache), caches(value_cache), md.query_start_loc, md.seq_lens, md.block_tables,
+            scaling, sliding_window, softcap, None if sinks is None else _as_f32(sinks),
+            attention_chunk=attention_chunk, alibi_slopes=None if alibi_slopes is None else _as_f32(alibi_slopes),
+            cache_format=self.cache_format,
         )
         return torch.from_numpy(out).to(device=q.device, dtype=q.dtype)
 
 
 class CpuBackend:
     """The CPU kernels (``kvpage.attention.cpu``): each attention site's native, numba or
-    torch kernels chosen once, on the site's first call, under ``choice``."""
+    torch kernels chosen once, on the site's first call, under ``choice``, for buffers of
+    ``cache_format`` (None: values of the buffers' dtype)."""
 
     name = "cpu"
 
-    def __init__(self, device: torch.device, choice: CPUKernelChoice = CPUKernelChoice()) -> None:
+    def __init__(self, device: torch.device, cache_format: Optional[CacheFormat] = None,
+                 choice: CPUKernelChoice = CPUKernelChoice()) -> None:
         self.device = device
-        self.site_kernels = CPUAttention(choice)  # bound on each site's first call
+        self.cache_format = quantized(cache_format)
+        self.site_kernels = CPUAttention(choice, self.cache_format)  # bound on each site's first call
 
     def prepare(self, metadata: StepMetadata) -> CPUAttentionMetadata:
         return prepare_cpu_attention_metadata(metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
@@ -108,10 +137,13 @@ class CudaBackend:
 
     name = "cuda"
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, cache_format: Optional[CacheFormat] = None) -> None:
         if device.type != "cuda":
             raise ValueError("the 'cuda' attention backend needs the model on a CUDA device")
         self.device = device
+        self.cache_format = quantized(cache_format)
+        # kvpage.cuda's calls take the format only for a quantized cache.
+        self._format = {} if self.cache_format is None else {"cache_format": self.cache_format}
 
     def prepare(self, metadata: StepMetadata) -> CudaIndices:
         as_dev = lambda a, dt: torch.as_tensor(np.asarray(a), dtype=dt).to(self.device, non_blocking=True)  # noqa: E731
@@ -122,7 +154,7 @@ class CudaBackend:
     def write_kv(self, key_cache, value_cache, k, v, prepared: CudaIndices) -> None:
         from kvpage.cuda import store_kv
 
-        store_kv(key_cache, value_cache, k.contiguous(), v.contiguous(), prepared.slot_mapping)
+        store_kv(key_cache, value_cache, k.contiguous(), v.contiguous(), prepared.slot_mapping, **self._format)
 
     def attention(self, q, key_cache, value_cache, prepared: CudaIndices, scaling: float,
                   sliding_window: Optional[int], softcap: Optional[float], sinks: Optional[torch.Tensor],
@@ -137,15 +169,19 @@ class CudaBackend:
                                None if sinks is None else sinks.detach().float().contiguous(),
                                num_decodes=prepared.num_decodes,
                                max_prefill_query_len=prepared.max_prefill_query_len,
-                               max_seq_len=prepared.max_seq_len)
+                               max_seq_len=prepared.max_seq_len, **self._format)
 
 
-BackendFactory = Callable[[torch.device], AttentionBackend]
+#: ``factory(device)``, or for a quantized KV cache ``factory(device, cache_format)``.
+BackendFactory = Callable[..., AttentionBackend]
 _REGISTRY: dict[str, BackendFactory] = {}
 
 
 def register_attention_backend(name: str, factory: BackendFactory) -> None:
-    """Make ``factory(device)`` selectable as ``attention_backend=name`` (replaces a same-named one)."""
+    """Make ``factory(device)`` selectable as ``attention_backend=name`` (replaces a same-named one).
+    A factory that reads quantized KV caches also takes ``factory(device, cache_format)``
+    (a quantized :class:`~kvpage.core.kv_formats.CacheFormat`) and raises ``ValueError``
+    for a format it cannot read."""
     if not name or name == "auto":
         raise ValueError(f"a backend cannot be registered as {name!r}")
     _REGISTRY[name] = factory
@@ -155,14 +191,37 @@ def attention_backend_names() -> list[str]:
     return ["auto", *_REGISTRY]
 
 
-def select_backend(name: str, device: torch.device) -> AttentionBackend:
-    """The backend registered as ``name``; ``"auto"`` is ``cuda`` on a GPU and ``cpu`` otherwise."""
+def select_backend(name: str, device: torch.device, cache_format: Optional[CacheFormat] = None) -> AttentionBackend:
+    """The backend registered as ``name``; ``"auto"`` is ``cuda`` on a GPU and ``cpu`` otherwise.
+
+    ``cache_format``: the KV buffers' (``KVCacheSpec.cache_format``). None or unquantized:
+    ``factory(device)``; quantized: ``factory(device, cache_format)``, and ``ValueError``
+    (one line) where the backend cannot read that format.
+    """
     if name == "auto":
         name = "cuda" if device.type == "cuda" else "cpu"
     factory = _REGISTRY.get(name)
     if factory is None:
         raise ValueError(f"unknown attention backend {name!r}; expected one of {attention_backend_names()}")
-    return factory(device)
+    fmt = quantized(cache_format)
+    if fmt is None:
+        return factory(device)
+    if not _takes_two_arguments(factory):
+        raise ValueError(f"attention backend {name!r} cannot read kv_cache_dtype {fmt.kv_format.name} "
+                         f"KV caches; use an unquantized one or another backend")
+    backend = factory(device, fmt)
+    return RotatedBackend(backend) if rotates(fmt.kv_format) else backend
+
+
+def _takes_two_arguments(factory: BackendFactory) -> bool:
+    """Whether ``factory(device, cache_format)`` binds (a factory of the device alone does not)."""
+    try:
+        inspect.signature(factory).bind(None, None)
+    except TypeError:
+        return False
+    except ValueError:  # no signature to read (a builtin): let the call tell
+        return True
+    return True
 
 
 register_attention_backend("cpu", CpuBackend)

@@ -140,6 +140,10 @@ class StepContext:
                          sinks: Optional[torch.Tensor], key_selection: torch.Tensor) -> torch.Tensor:
         from kvpage.attention.torch_cpu import selected_attention_torch
 
+        fmt = getattr(self.backend, "cache_format", None)
+        if fmt is not None:  # a quantized cache: these rows are bytes selected attention cannot read
+            raise ValueError(f"sparse (selected-key) attention reads unquantized KV caches only, not "
+                             f"kv_cache_dtype {fmt.kv_format.name}")
         if site.writes:
             self.backend.write_kv(site.key_cache, site.value_cache, k, v, prepared)
         md = self.metadata

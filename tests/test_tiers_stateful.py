@@ -8,14 +8,21 @@ copied on write that holds the wrong KV is caught on the step that would read it
 path it took. Rules add requests over shared prefixes, step, abort, evict the pool, fail a
 step or its tier copies, and corrupt disk files. After every rule the accounting balances:
 free + used == total for the pool and for each tier.
+
+The machine runs over every quantized KV format too (``kv_cache_dtype``): there a token's
+K and V rows are bytes (codes in a block's codes region, scales in its scales region), and
+the fake model writes a digest of the truth across both, so a block whose codes moved
+without their scales, or the other way round, is caught as well.
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
 import os
 import tempfile
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -23,8 +30,10 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvpage import CacheConfig, SamplingParams, Scheduler, SchedulerConfig
 from kvpage.engine.llm_engine import LLMEngine
+from kvpage.kernels.kv_quant import block_views
 from kvpage.storage.paged_cache import PagedKVCache
 from kvpage.storage.spec import KVCacheSpec
+from kvpage.storage.tiers import disk_block_shape
 from kvpage.engine.sampler import Sampler
 from kvpage.storage.tiers.agent import KVTierAgent
 from kvpage.storage.tiers.disk_store import DiskKVStore
@@ -40,6 +49,8 @@ EXAMPLES = 60
 STEPS_PER_EXAMPLE = 80
 DRAIN_STEPS = 2000
 SPEC = KVCacheSpec.uniform(num_layers=1, num_kv_heads=1, head_dim=2, block_size=BS, dtype="float32")
+QUANTIZED = ("fp8_e4m3", "fp8_e5m2", "int8", "int4")
+QUANTIZED_EXAMPLES = 15  # per format
 
 totals = {"host_loads": 0, "disk_loads": 0, "host_stores": 0, "disk_saves": 0, "corrupt": 0, "faults": 0,
           "drained": 0}
@@ -62,6 +73,37 @@ class TruthRunner:
         self.kv, self.scheduler = kv, scheduler
         self.violations: list[str] = []
         self.fail_next = False
+        fmt = kv.spec.kv_format
+        if fmt.quantized:  # per buffer: (codes, scales) views [num_blocks, BS, heads, bytes]
+            self.bufs = [block_views(buf, fmt, BS, 1, 2) for buf in (kv.key_cache(0), kv.value_cache(0))]
+            self.code_bytes = fmt.code_bytes(2)
+            self.row_bytes = fmt.row_bytes(2)
+        else:
+            self.bufs = [kv.key_cache(0).reshape(-1, 2), kv.value_cache(0).reshape(-1, 2)]
+
+    def _as_stored(self, want: np.ndarray) -> np.ndarray:
+        """The rows as the buffer holds them: the values, or per row a digest of them filling
+        the row's codes and scales (every byte depends on the row)."""
+        if not self.kv.spec.kv_format.quantized:
+            return want
+        return np.stack([np.frombuffer(hashlib.blake2b(row.tobytes(), digest_size=self.row_bytes).digest(),
+                                       dtype=np.uint8) for row in want])
+
+    def _write(self, buf, slots: np.ndarray, rows: np.ndarray) -> None:
+        if not self.kv.spec.kv_format.quantized:
+            buf[slots] = rows
+            return
+        codes, scales = buf
+        blocks, offsets = slots // BS, slots % BS
+        codes[blocks, offsets, 0] = rows[:, : self.code_bytes]
+        scales[blocks, offsets, 0] = rows[:, self.code_bytes:]
+
+    def _read(self, buf, slots: np.ndarray) -> np.ndarray:
+        if not self.kv.spec.kv_format.quantized:
+            return buf[slots]
+        codes, scales = buf
+        blocks, offsets = slots // BS, slots % BS
+        return np.concatenate([codes[blocks, offsets, 0], scales[blocks, offsets, 0]], axis=1)
 
     def execute(self, metadata):
         if self.fail_next:
@@ -69,7 +111,7 @@ class TruthRunner:
             raise RuntimeError("injected step fault")
         if len(metadata.block_copies):
             self.kv.copy_blocks(metadata.block_copies)
-        bufs = [self.kv.key_cache(0).reshape(-1, 2), self.kv.value_cache(0).reshape(-1, 2)]
+        bufs = self.bufs
         seqs = []
         for i, rid in enumerate(metadata.request_ids):
             tokens = self.scheduler.requests[rid].all_token_ids
@@ -77,14 +119,15 @@ class TruthRunner:
             pos = np.arange(ctx)
             slots = metadata.block_tables[i][pos // BS].astype(np.int64) * BS + pos % BS
             key = np.stack([prefix_truth(tokens[:ctx]), pos.astype(np.float32)], axis=1)
-            wants = (key, key + np.float32(1000))  # V differs from K: a swap shows
+            wants = tuple(map(self._as_stored, (key, key + np.float32(1000))))  # V differs from K: a swap shows
             for buf, want in zip(bufs, wants):  # every layer writes the step's KV before anyone attends
-                buf[slots[start:]] = want[start:]
+                self._write(buf, slots[start:], want[start:])
             seqs.append((rid, slots, wants))
         for rid, slots, wants in seqs:
             for buf, want in zip(bufs, wants):
-                if not np.array_equal(buf[slots], want):
-                    bad = int(np.flatnonzero((buf[slots] != want).any(axis=1))[0])
+                got = self._read(buf, slots)
+                if not np.array_equal(got, want):
+                    bad = int(np.flatnonzero((got != want).any(axis=1))[0])
                     self.violations.append(f"{rid}: wrong KV at position {bad}")
         # Logits depend on the tokens only: the output is the same whatever was cached.
         logits = torch.zeros(len(metadata.logits_indices), VOCAB)
@@ -97,15 +140,18 @@ class TruthRunner:
 
 
 class TieredMachine(RuleBasedStateMachine):
+    spec = SPEC
+
     def __init__(self) -> None:
         super().__init__()
         self.dir = tempfile.TemporaryDirectory()
         cache = CacheConfig(BS, NUM_BLOCKS, True, HOST_BLOCKS, DISK_BLOCKS)
         self.s = Scheduler(cache, SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=12,
                                                   max_model_len=MAX_MODEL_LEN, max_preemptions_before_pin=2))
-        self.kv = PagedKVCache(SPEC, NUM_BLOCKS, backend="numpy")
+        self.kv = PagedKVCache(self.spec, NUM_BLOCKS, backend="numpy")
         self.runner = TruthRunner(self.kv, self.s)
-        self.disk = DiskKVStore(self.dir.name, "f" * 64, (1, BS, 1, 2), torch.float32)
+        dtype = torch.uint8 if self.spec.kv_format.quantized else torch.float32
+        self.disk = DiskKVStore(self.dir.name, "f" * 64, disk_block_shape(self.spec), dtype)
         assert self.disk.open() == (True, None)
         self.engine = LLMEngine(self.runner, Sampler(0), char_tokenizer(), self.s, VOCAB,
                                 kv_tiers=KVTierAgent(self.kv, HOST_BLOCKS, self.disk, disk_writable=True))
@@ -231,10 +277,24 @@ class TieredMachine(RuleBasedStateMachine):
             assert tier.num_used_slots <= tier.num_slots
 
 
-def test_tiered_cache_state_machine():
-    cfg = settings(max_examples=EXAMPLES, stateful_step_count=STEPS_PER_EXAMPLE, deadline=None, derandomize=True,
+def _run(machine, examples: int) -> None:
+    totals.update(dict.fromkeys(totals, 0))
+    cfg = settings(max_examples=examples, stateful_step_count=STEPS_PER_EXAMPLE, deadline=None, derandomize=True,
                    database=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
-    run_state_machine_as_test(TieredMachine, settings=cfg)
+    run_state_machine_as_test(machine, settings=cfg)
     # The fuzz must reach every transfer path.
     assert totals["host_stores"] and totals["host_loads"] and totals["disk_saves"] and totals["disk_loads"], totals
-    assert totals["drained"] >= EXAMPLES // 2, totals
+    assert totals["drained"] >= examples // 2, totals
+
+
+def test_tiered_cache_state_machine():
+    _run(TieredMachine, EXAMPLES)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", QUANTIZED)
+def test_tiered_cache_state_machine_over_quantized_blocks(kv_cache_dtype):
+    class QuantizedMachine(TieredMachine):
+        spec = KVCacheSpec.uniform(num_layers=1, num_kv_heads=1, head_dim=2, block_size=BS, dtype="float32",
+                                   kv_cache_dtype=kv_cache_dtype)
+
+    _run(QuantizedMachine, QUANTIZED_EXAMPLES)

@@ -16,6 +16,11 @@ Every backend implements the same two operations over paged KV buffers shaped
 ``cpu.CPUKernels`` binds one attention site's kernels once (``cpu.CPUAttention`` holds a
 model's), and also offers ``write_and_attend``: both operations in one call (one native
 call per layer for decode-only steps).
+
+A quantized KV cache (``kv_cache_dtype`` fp8, int8, int4) is uint8 ``[num_blocks,
+block_bytes]`` buffers, whose :class:`~kvpage.core.kv_formats.CacheFormat` every operation
+takes as ``cache_format=``: stores quantize each token's rows, and attention reads K/V only
+back from the cache (the current step's rows included), dequantizing each context's rows.
 """
 from kvpage.attention.cpu import paged_attention_cpu, write_and_attend_cpu, write_kv_cpu
 from kvpage.attention.cpu_metadata import CPUAttentionMetadata, prepare_cpu_attention_metadata

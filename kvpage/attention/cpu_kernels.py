@@ -9,7 +9,9 @@ per sequence), ``prefill`` those of the sequences after them (rows
 when they are bound (the native library, the element type); per call they read only the
 step's tensors, its :class:`~kvpage.attention.cpu_metadata.CPUAttentionMetadata` and the
 layer's :class:`~kvpage.attention.cpu_metadata.LayerCall`. The caches are contiguous CPU
-buffers ``[num_blocks, block_size, H_kv, D]`` of that element type (checked at bind).
+buffers ``[num_blocks, block_size, H_kv, D]`` of that element type (checked at bind), or
+quantized uint8 ``[num_blocks, block_bytes]`` buffers whose format the kinds hold (the
+element type is then q's, the output's and the new K/V rows').
 """
 from __future__ import annotations
 
@@ -20,7 +22,9 @@ import numpy as np
 import torch
 
 from kvpage.attention import torch_cpu
-from kvpage.attention.cpu_metadata import CPUAttentionMetadata, LayerCall, to_numpy
+from kvpage.attention import quantized_torch, tiled_torch
+from kvpage.attention.cpu_metadata import CPUAttentionMetadata, LayerCall, kernel_dtype_name, to_numpy
+from kvpage.core.kv_formats import CacheFormat
 from kvpage.kernels import native_cpu
 
 Phase = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, CPUAttentionMetadata, LayerCall], None]
@@ -36,29 +40,37 @@ def row_slots(slot_mapping, k: torch.Tensor, v: torch.Tensor) -> np.ndarray:
 
 
 class NativeKernels:
-    """The C++ kernels of :mod:`kvpage.kernels.native_cpu` for one element type, on torch's thread pool."""
+    """The C++ kernels of :mod:`kvpage.kernels.native_cpu` for one element type, on torch's thread pool.
 
-    __slots__ = ("lib", "dtype_name")
+    Over quantized caches: ``cache_format`` is the native kernels' name of the format and
+    ``cache_shape`` the buffers' logical ``(num_blocks, block_size, H_kv, D)`` (both fixed
+    at bind); ``dtype_name`` is then q's element type. Unquantized: both None (the shape is
+    the buffers')."""
 
-    def __init__(self, lib: ctypes.CDLL, dtype_name: str) -> None:
-        self.lib, self.dtype_name = lib, dtype_name
+    __slots__ = ("lib", "dtype_name", "cache_shape", "_format")
+
+    def __init__(self, lib: ctypes.CDLL, dtype_name: str, cache_format: Optional[str] = None,
+                 cache_shape: Optional[tuple] = None) -> None:
+        self.lib, self.dtype_name, self.cache_shape = lib, dtype_name, cache_shape
+        self._format = {} if cache_format is None else {"cache_format": cache_format}  # the calls' keyword
 
     def decode(self, result, q, key_cache, value_cache, md: CPUAttentionMetadata, call: LayerCall) -> None:
         q = q if q.stride(-1) == 1 else q.contiguous()
         num_threads = torch.get_num_threads()
+        shape = self.cache_shape or tuple(key_cache.shape)
         native_cpu.decode_attention(
             self.lib, self.dtype_name, q.data_ptr(), q.stride()[:2], key_cache.data_ptr(), value_cache.data_ptr(),
-            tuple(key_cache.shape), q.shape[1], md.block_tables, md.seq_lens, md.num_decodes, call.scaling,
+            shape, q.shape[1], md.block_tables, md.seq_lens, md.num_decodes, call.scaling,
             int(call.sliding_window or 0), float(call.softcap or 0.0), call.sinks_f32(), result.data_ptr(),
-            md.decode_splits(num_threads, key_cache.shape[1]), num_threads)
+            md.decode_splits(num_threads, shape[1]), num_threads, **self._format)
 
     def prefill(self, result, q, key_cache, value_cache, md: CPUAttentionMetadata, call: LayerCall) -> None:
         q = q if q.stride(-1) == 1 else q.contiguous()
         native_cpu.prefill_attention(
             self.lib, self.dtype_name, q.data_ptr(), q.stride()[:2], key_cache.data_ptr(), value_cache.data_ptr(),
-            tuple(key_cache.shape), q.shape[1], md.block_tables, md.query_start_loc, md.seq_lens, md.num_decodes,
-            call.scaling, int(call.sliding_window or 0), float(call.softcap or 0.0), call.sinks_f32(),
-            result.data_ptr(), torch.get_num_threads())
+            self.cache_shape or tuple(key_cache.shape), q.shape[1], md.block_tables, md.query_start_loc, md.seq_lens,
+            md.num_decodes, call.scaling, int(call.sliding_window or 0), float(call.softcap or 0.0),
+            call.sinks_f32(), result.data_ptr(), torch.get_num_threads(), **self._format)
 
     def write_and_decode(self, q, k, v, key_cache, value_cache, md: CPUAttentionMetadata, call: LayerCall,
                          write: bool) -> torch.Tensor:
@@ -68,15 +80,16 @@ class NativeKernels:
         sinks = call.sinks_f32()
         result = q.new_empty(q.shape)
         qs = q.stride()
+        shape = self.cache_shape or tuple(key_cache.shape)
         rows = (None, None, None)
         if write:
             ks, vs = k.stride(), v.stride()
             rows = ((k.data_ptr(), ks[0], ks[1]), (v.data_ptr(), vs[0], vs[1]), md.slots_address)
         native_cpu.write_decode(
             self.lib, self.dtype_name, (q.data_ptr(), qs[0], qs[1]), *rows, q.shape[0], key_cache.data_ptr(),
-            value_cache.data_ptr(), tuple(key_cache.shape), q.shape[1], md.native_step(num_threads, key_cache.shape[1]),
+            value_cache.data_ptr(), shape, q.shape[1], md.native_step(num_threads, shape[1]),
             call.scaling, int(call.sliding_window or 0), float(call.softcap or 0.0),
-            None if sinks is None else sinks.ctypes.data, result.data_ptr(), num_threads)
+            None if sinks is None else sinks.ctypes.data, result.data_ptr(), num_threads, **self._format)
         return result
 
     @staticmethod
@@ -102,6 +115,42 @@ class NativeKernels:
                 rows = rows.contiguous()
             native_cpu.store_rows(self.lib, cache.data_ptr(), tuple(cache.shape), cache.element_size(),
                                   rows.data_ptr(), rows.stride()[:2], slots)
+
+
+class QuantizedStore:
+    """The K/V store of quantized caches: the native quantizing store
+    (``native_cpu.store_quantized``) where ``lib`` is given and has it, else the numpy
+    encoder and a byte scatter (:func:`quantized_torch.store_rows`); the bytes are the same."""
+
+    __slots__ = ("lib", "cache_format", "_name")
+
+    def __init__(self, lib: Optional[ctypes.CDLL], cache_format: CacheFormat) -> None:
+        fmt = cache_format.kv_format
+        native = (lib is not None and hasattr(native_cpu, "store_quantized")
+                  and fmt.name in getattr(native_cpu, "CACHE_FORMATS", {}))
+        self.lib, self.cache_format, self._name = (lib if native else None), cache_format, fmt.name
+
+    def store(self, key_cache, value_cache, k, v, slot_mapping) -> None:
+        slots = row_slots(slot_mapping, k, v)
+        for cache, rows in ((key_cache, k), (value_cache, v)):
+            shape = self.cache_format.logical_shape(tuple(cache.shape), int(rows.shape[2]))
+            if tuple(rows.shape[1:]) != shape[2:]:
+                raise ValueError(f"K/V rows of shape {tuple(rows.shape[1:])} do not fit {self._name} cache rows "
+                                 f"{shape[2:]}")
+            if self.lib is None or not _native_stores(shape[3]):
+                quantized_torch.store_rows(cache, rows, torch.from_numpy(slots), self.cache_format)
+                continue
+            if kernel_dtype_name(rows.dtype) is None:
+                rows = rows.float()
+            if rows.stride(2) != 1:
+                rows = rows.contiguous()
+            native_cpu.store_quantized(self.lib, self._name, cache.data_ptr(), shape, kernel_dtype_name(rows.dtype),
+                                       rows.data_ptr(), rows.stride()[:2], slots)
+
+
+def _native_stores(head_dim: int) -> bool:
+    """Whether the native quantizing store takes rows of ``head_dim`` values."""
+    return head_dim % native_cpu.HEAD_DIM_MULTIPLE == 0 and 0 < head_dim <= native_cpu.MAX_HEAD_DIM
 
 
 def _numba_view(t: torch.Tensor) -> np.ndarray:
@@ -187,6 +236,42 @@ def torch_step(q, key_cache, value_cache, md: CPUAttentionMetadata, call: LayerC
         q, key_cache, value_cache, md.torch_index("query_start_loc"), md.torch_index("seq_lens"),
         md.torch_index("block_tables"), call.scaling, call.sliding_window, call.softcap, call.sinks,
         num_decodes=md.num_decodes, attention_chunk=call.attention_chunk, alibi_slopes=slopes)
+
+
+class TiledKernels:
+    """Torch's step and phases over quantized caches of one format
+    (:func:`tiled_torch.paged_attention_tiled`: every row computed alike however the step
+    was scheduled); chunked attention and ALiBi included."""
+
+    __slots__ = ("cache_format",)
+
+    def __init__(self, cache_format: CacheFormat) -> None:
+        self.cache_format = cache_format
+
+    def _run(self, q, key_cache, value_cache, md: CPUAttentionMetadata, call: LayerCall, seqs=None, out=None):
+        return tiled_torch.paged_attention_tiled(
+            q, key_cache, value_cache, md.torch_index("query_start_loc"), md.torch_index("seq_lens"),
+            md.torch_index("block_tables"), call.scaling, call.sliding_window, call.softcap, call.sinks,
+            cache_format=self.cache_format, seqs=seqs, out=out, attention_chunk=call.attention_chunk,
+            alibi_slopes=call.alibi_slopes)
+
+    def step(self, q, key_cache, value_cache, md: CPUAttentionMetadata, call: LayerCall) -> torch.Tensor:
+        return self._run(q, key_cache, value_cache, md, call)
+
+    def decode(self, result, q, key_cache, value_cache, md: CPUAttentionMetadata, call: LayerCall) -> None:
+        self._run(q, key_cache, value_cache, md, call, range(md.num_decodes), result)
+
+    def prefill(self, result, q, key_cache, value_cache, md: CPUAttentionMetadata, call: LayerCall) -> None:
+        self._run(q, key_cache, value_cache, md, call, range(md.num_decodes, md.seq_lens.shape[0]), result)
+
+
+def torch_phases(cache_format: Optional[CacheFormat]) -> tuple[Callable, Phase, Phase]:
+    """Torch's (step, decode phase, prefill phase): :func:`torch_step`, :func:`torch_decode`
+    and :func:`torch_prefill`, or over a quantized ``cache_format`` :class:`TiledKernels`'."""
+    if cache_format is None:
+        return torch_step, torch_decode, torch_prefill
+    tiled = TiledKernels(cache_format)
+    return tiled.step, tiled.decode, tiled.prefill
 
 
 def torch_store(key_cache, value_cache, k, v, slot_mapping) -> None:

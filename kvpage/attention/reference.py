@@ -16,6 +16,12 @@ Semantics shared by all backends (positions are absolute within a sequence):
     and V may differ in head count and V in head size ``D_v`` (MLA models): the output is
     ``[T, num_heads, D_v]``.
 Accumulation is in float32; the output has ``q``'s dtype.
+
+Quantized caches (``cache_format`` a quantized :class:`~kvpage.core.kv_formats.CacheFormat`)
+are uint8 ``[num_blocks, block_bytes]`` buffers: :func:`write_kv_reference` stores the rows'
+codes and scales (:func:`kvpage.kernels.kv_quant.quantize_rows`, the definition of the bytes)
+and :func:`paged_attention_reference` dequantizes each sequence's gathered rows (never the
+whole cache), head size from ``q``. K and V of different shapes (MLA) take no quantized format.
 """
 from __future__ import annotations
 
@@ -23,14 +29,44 @@ from typing import Optional
 
 import numpy as np
 
+from kvpage.core.kv_formats import CacheFormat
+from kvpage.kernels import kv_quant
+
+
+def quantized(cache_format: Optional[CacheFormat]) -> Optional[CacheFormat]:
+    """``cache_format`` where it is a quantized one, else None (an unquantized format's
+    buffers are plain ``[num_blocks, block_size, H_kv, D]`` values)."""
+    return cache_format if cache_format is not None and cache_format.quantized else None
+
+
+def check_same_rows(key_shape: tuple, value_shape: tuple, cache_format: CacheFormat) -> None:
+    """Raise ``ValueError`` where quantized K and V buffers differ in shape (MLA)."""
+    if tuple(key_shape) != tuple(value_shape):
+        raise ValueError(f"kv_cache_dtype {cache_format.kv_format.name} needs K and V of one shape; these "
+                         f"buffers are {tuple(key_shape)} and {tuple(value_shape)} (MLA: use an unquantized KV cache)")
+
 
 def write_kv_reference(key_cache: np.ndarray, value_cache: np.ndarray, k: np.ndarray, v: np.ndarray,
-                       slot_mapping: np.ndarray) -> None:
-    """Scatter ``k``/``v`` ``[T, H_kv, D]`` into the caches at ``slot_mapping`` ``[T]``."""
-    num_blocks, block_size = key_cache.shape[:2]
+                       slot_mapping: np.ndarray, cache_format: Optional[CacheFormat] = None) -> None:
+    """Scatter ``k``/``v`` ``[T, H_kv, D]`` into the caches at ``slot_mapping`` ``[T]`` (a
+    quantized cache: their codes and scales)."""
     slots = np.asarray(slot_mapping, dtype=np.int64)
-    key_cache.reshape(num_blocks * block_size, *key_cache.shape[2:])[slots] = k
-    value_cache.reshape(num_blocks * block_size, *value_cache.shape[2:])[slots] = v
+    fmt = quantized(cache_format)
+    for cache, rows in ((key_cache, k), (value_cache, v)):
+        if fmt is None:
+            num_blocks, block_size = cache.shape[:2]
+            cache.reshape(num_blocks * block_size, *cache.shape[2:])[slots] = rows
+            continue
+        rows = np.asarray(rows, dtype=np.float32)
+        heads, head_dim = rows.shape[1:]
+        cache_heads = fmt.logical_shape(cache.shape, head_dim)[2]
+        if cache_heads != heads:
+            raise ValueError(f"K/V rows of {heads} heads do not fit a {fmt.kv_format.name} cache of {cache_heads} heads")
+        codes, scales = kv_quant.quantize_rows(rows, fmt.kv_format)
+        code_view, scale_view = kv_quant.block_views(cache, fmt.kv_format, fmt.block_size, heads, head_dim)
+        block, offset = slots // fmt.block_size, slots % fmt.block_size
+        code_view[block, offset] = codes
+        scale_view[block, offset] = scales
 
 
 def gather_context(cache: np.ndarray, block_table: np.ndarray, seq_len: int) -> np.ndarray:
@@ -39,6 +75,26 @@ def gather_context(cache: np.ndarray, block_table: np.ndarray, seq_len: int) -> 
     num_blocks = -(-seq_len // block_size)
     rows = cache[np.asarray(block_table[:num_blocks], dtype=np.int64)]
     return rows.reshape(num_blocks * block_size, *cache.shape[2:])[:seq_len]
+
+
+class _Rows:
+    """How one buffer's token rows are read back as float32: as they are, or (quantized) the
+    block views of its codes and scales, dequantized per gathered sequence."""
+
+    def __init__(self, cache: np.ndarray, fmt: Optional[CacheFormat], head_dim: int) -> None:
+        self.cache, self.fmt = cache, fmt
+        if fmt is None:
+            self.heads, self.head_dim = cache.shape[2], cache.shape[3]
+        else:
+            self.heads, self.head_dim = fmt.logical_shape(cache.shape, head_dim)[2:]
+            self.views = kv_quant.block_views(cache, fmt.kv_format, fmt.block_size, self.heads, head_dim)
+
+    def context(self, block_table: np.ndarray, seq_len: int) -> np.ndarray:
+        """``[seq_len, H_kv, D]`` float32: the first ``seq_len`` rows of one sequence."""
+        if self.fmt is None:
+            return gather_context(self.cache, block_table, seq_len).astype(np.float32)
+        codes, scales = (gather_context(view, block_table, seq_len) for view in self.views)
+        return kv_quant.dequantize_rows(codes, scales, self.fmt.kv_format)
 
 
 def paged_attention_reference(
@@ -54,21 +110,26 @@ def paged_attention_reference(
     sinks: Optional[np.ndarray] = None,
     attention_chunk: Optional[int] = None,
     alibi_slopes: Optional[np.ndarray] = None,
+    cache_format: Optional[CacheFormat] = None,
 ) -> np.ndarray:
     """The contract's ``paged_attention`` by the semantics above; ``[T, H, D_v]`` in q's dtype."""
     num_tokens, num_heads, head_dim = q.shape
-    for cache in (key_cache, value_cache):
-        if num_heads % cache.shape[2]:
-            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({cache.shape[2]})")
-    k_group, v_group = num_heads // key_cache.shape[2], num_heads // value_cache.shape[2]
-    out = np.zeros((num_tokens, num_heads, value_cache.shape[3]), dtype=np.float32)
+    fmt = quantized(cache_format)
+    if fmt is not None:
+        check_same_rows(key_cache.shape, value_cache.shape, fmt)
+    key_rows, value_rows = _Rows(key_cache, fmt, head_dim), _Rows(value_cache, fmt, head_dim)
+    for rows in (key_rows, value_rows):
+        if num_heads % rows.heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({rows.heads})")
+    k_group, v_group = num_heads // key_rows.heads, num_heads // value_rows.heads
+    out = np.zeros((num_tokens, num_heads, value_rows.head_dim), dtype=np.float32)
     qsl = np.asarray(query_start_loc, dtype=np.int64)
     for i, seq_len in enumerate(np.asarray(seq_lens, dtype=np.int64).tolist()):
         start, end = int(qsl[i]), int(qsl[i + 1])
         if end == start:
             continue
-        keys = gather_context(key_cache, block_tables[i], seq_len).astype(np.float32)
-        values = gather_context(value_cache, block_tables[i], seq_len).astype(np.float32)
+        keys = key_rows.context(block_tables[i], seq_len)
+        values = value_rows.context(block_tables[i], seq_len)
         keys = np.repeat(keys, k_group, axis=1)  # [S, H, D]
         values = np.repeat(values, v_group, axis=1)  # [S, H, D_v]
         queries = q[start:end].astype(np.float32)  # [Q, H, D]

@@ -20,6 +20,11 @@ native and numba kernels at decode: it serves K/V of different shapes, chunked a
 and ALiBi, and is the fallback wherever those kernels cannot serve a layout.
 Slots past a sequence's length are masked, not skipped: they must hold finite values
 (true of a zero-initialized cache); the numba kernels never read them.
+
+Quantized caches (``cache_format=`` a quantized :class:`~kvpage.core.kv_formats.CacheFormat`:
+uint8 ``[num_blocks, block_bytes]`` buffers): stores quantize the rows, and attention is
+:mod:`~kvpage.attention.tiled_torch`'s, which dequantizes each context's gathered rows and
+computes every row alike however the step was scheduled.
 """
 from __future__ import annotations
 
@@ -30,6 +35,8 @@ import torch
 import torch.nn.functional as F
 
 from kvpage.attention.cpu_metadata import decodes_of
+from kvpage.attention.reference import quantized
+from kvpage.core.kv_formats import CacheFormat
 
 
 def as_long(index) -> torch.Tensor:
@@ -40,9 +47,17 @@ def as_long(index) -> torch.Tensor:
 
 
 def write_kv_torch(key_cache: torch.Tensor, value_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   slot_mapping) -> None:
-    """Scatter ``k``/``v`` ``[T, H_kv, D]`` into flat slots ``slot_mapping`` ``[T]`` in place."""
+                   slot_mapping, cache_format: Optional[CacheFormat] = None) -> None:
+    """Scatter ``k``/``v`` ``[T, H_kv, D]`` into flat slots ``slot_mapping`` ``[T]`` in place
+    (a quantized cache: their codes and scales, :func:`quantized_torch.store_rows`)."""
     slots = as_long(slot_mapping)
+    fmt = quantized(cache_format)
+    if fmt is not None:
+        from kvpage.attention.quantized_torch import store_rows
+
+        store_rows(key_cache, k, slots, fmt)
+        store_rows(value_cache, v, slots, fmt)
+        return
     key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slots, k.to(key_cache.dtype))
     value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, slots, v.to(value_cache.dtype))
 
@@ -189,13 +204,17 @@ def paged_attention_torch(
     num_decodes: Optional[int] = None,
     attention_chunk: Optional[int] = None,
     alibi_slopes: Optional[torch.Tensor] = None,
+    cache_format: Optional[CacheFormat] = None,
 ) -> torch.Tensor:
     """The contract's ``paged_attention`` on torch CPU tensors; returns ``[T, H, D_v]`` in ``q``'s dtype.
 
     K and V may differ in head size (``D_v``, MLA) and in head count. ``num_decodes``
     leading sequences (default: the leading run of query length 1) take the batched decode
     path; the rest go one sequence at a time (a loop over sequences, never over tokens).
+    A quantized ``cache_format`` is refused: :func:`tiled_torch.paged_attention_tiled` reads those.
     """
+    if quantized(cache_format) is not None:
+        raise ValueError("quantized KV caches take kvpage.attention.tiled_torch.paged_attention_tiled")
     for cache in (key_cache, value_cache):
         if q.shape[1] % cache.shape[2]:
             raise ValueError(f"num_heads ({q.shape[1]}) must be a multiple of num_kv_heads ({cache.shape[2]})")

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from kvpage.core.kv_events import KVEventsConfig
+from kvpage.core.kv_formats import KV_CACHE_DTYPES
 
 #: Bytes a disk-tier file takes beyond its block's KV (the safetensors header), before
 #: rounding up to the file system's 4 KiB allocation unit.
@@ -176,6 +177,11 @@ class EngineConfig:
         max_model_len: longest sequence; ``None`` takes the model's own limit.
         seed: seed of the sampler's shared random stream.
         dtype: "auto", or a torch dtype name for weights and KV.
+        kv_cache_dtype: how the KV cache stores keys and values (vLLM's flag): "auto" (the
+            model's dtype), "bfloat16", "float16", "float32", or a quantized format with
+            per-token scales: "fp8" (= "fp8_e4m3"), "fp8_e5m2", "int8", "int4"
+            (``kvpage.core.kv_formats``; docs/memory.md). A quantized format holds about 2x
+            (fp8, int8) or 3.5x (int4) the tokens of bf16 in one byte budget.
         device: "auto", "cpu" or "cuda[:i]".
         attention_backend: a registered backend name, or "auto".
         enforce_eager: run the model op by op (no graph compilation; vLLM's flag).
@@ -209,6 +215,7 @@ class EngineConfig:
     max_step_ms: Optional[float] = None
     seed: int = 0
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
     device: str = "auto"
     attention_backend: str = "auto"
     enforce_eager: bool = True
@@ -233,6 +240,9 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gmu!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if not isinstance(self.kv_cache_dtype, str) or self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; "
+                             f"got {self.kv_cache_dtype!r}")
 
     def _check_tiers(self) -> None:
         for name in ("kv_offloading_size", "kv_disk_cache_size"):

@@ -137,13 +137,25 @@ def eos_token_ids(model: torch.nn.Module, tokenizer: Any) -> list[int]:
 
 
 def kv_cache_spec(runner: HFModelRunner, config: EngineConfig) -> KVCacheSpec:
-    """The model's per-layer KV spec, as the runner's probe forward found it."""
+    """The model's per-layer KV spec, as the runner's probe forward found it, in the KV format
+    ``config.kv_cache_dtype`` names (``ValueError`` if a layer's head size cannot take it)."""
     dtype = str(runner.kv_dtype).removeprefix("torch.")
-    return KVCacheSpec(tuple(runner.layer_specs), config.block_size, dtype)
+    return KVCacheSpec(tuple(runner.layer_specs), config.block_size, dtype, config.kv_cache_dtype)
 
 
 def check_backend_fits(spec: KVCacheSpec, backend_name: str) -> None:
-    """The CUDA kernels read K and V of one shape; refuse other layouts there, with the layer."""
+    """Refuse, naming the layer, what the cache format or the backend cannot run: a quantized
+    format on layers whose K and V rows differ (MLA) or that store keys only (a DSA indexer,
+    which reads its keys straight from the cache); an unquantized cache in another dtype than
+    the model's outside the reference backend; on CUDA, chunked attention and K and V of
+    different shapes."""
+    _check_format_fits(spec)
+    fmt = spec.kv_format
+    if not fmt.quantized and fmt.name != spec.dtype and backend_name != "reference":
+        # The fast kernels attend with the query's dtype over the cache's: they must match.
+        raise UnsupportedModelError(
+            f"kv_cache_dtype {fmt.name} differs from the model's dtype {spec.dtype}, which the {backend_name} "
+            f"attention backend does not read; use kv_cache_dtype auto (or dtype {fmt.name}), or a quantized format")
     if backend_name != "cuda":
         return
     for i, layer in enumerate(spec.layers):
@@ -154,6 +166,24 @@ def check_backend_fits(spec: KVCacheSpec, backend_name: str) -> None:
             raise UnsupportedModelError(
                 f"layer {i} has K [{layer.k_heads}, {layer.k_head_dim}] and V [{layer.v_heads}, {layer.v_head_dim}] "
                 "per token; the CUDA kernels need one shape for both (use device='cpu')")
+
+
+def _check_format_fits(spec: KVCacheSpec) -> None:
+    """A quantized format's kernels read K and V rows of one shape through the attention
+    backend; other layouts keep the model's dtype."""
+    fmt = spec.kv_format
+    if not fmt.quantized:
+        return
+    for i, layer in enumerate(spec.layers):
+        if layer.v_head_dim == 0:
+            raise UnsupportedModelError(
+                f"kv_cache_dtype {fmt.name}: layer {i} stores keys only (a sparse-attention indexer reads them "
+                "straight from the cache, unquantized); use kv_cache_dtype auto")
+        if (layer.k_heads, layer.k_head_dim) != (layer.v_heads, layer.v_head_dim):
+            raise UnsupportedModelError(
+                f"kv_cache_dtype {fmt.name}: layer {i} has K [{layer.k_heads}, {layer.k_head_dim}] and V "
+                f"[{layer.v_heads}, {layer.v_head_dim}] per token (MLA); quantized caches need one shape for both "
+                "(use kv_cache_dtype auto)")
 
 
 def profile_gpu_memory(runner: HFModelRunner, num_tokens: int) -> dict:
@@ -314,7 +344,7 @@ def _bind_kv_cache(runner: HFModelRunner, config: EngineConfig, max_model_len: i
         state_bytes = runner.allocate_state_slots(num_state_slots)
         log.info("recurrent state: %d slots, %.1f MiB", num_state_slots, state_bytes / 2**20)
     spec = kv_cache_spec(runner, config)
-    backend = select_backend(config.attention_backend, runner.device)
+    backend = select_backend(config.attention_backend, runner.device, spec.cache_format)
     check_backend_fits(spec, backend.name)
     if backend.name == "cuda" and runner.uses_alibi:
         raise UnsupportedModelError("this model's attention adds ALiBi position biases, which the CUDA kernels do "

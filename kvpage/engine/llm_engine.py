@@ -314,6 +314,10 @@ class LLMEngine:
         stats["num_step_errors"] = self.num_step_errors
         stats["prompt_tokens"] = self.num_prompt_tokens
         stats["generation_tokens"] = self.outputs.num_generation_tokens
+        kv_cache = getattr(self.runner, "kv_cache", None)  # a test's fake runner may have none
+        if kv_cache is not None:
+            stats["kv_cache_dtype"] = kv_cache.spec.kv_format.name
+            stats["kv_bytes_per_token"] = kv_cache.spec.bytes_per_token
         stats.update(self.step_stats.summary())
         if self.thread_governor is not None:
             stats["compute_threads"] = self.thread_governor.current

@@ -8,6 +8,11 @@ Layout of layer ``l`` (``spec.layers[l]``, a ``LayerKVSpec``), one buffer for K,
     K: [num_blocks, block_size, k_heads, k_head_dim]   (slot = block_id * block_size + offset)
     V: [num_blocks, block_size, v_heads, v_head_dim]
 
+in the spec's KV format: the model's dtype, another unquantized dtype, or for a quantized
+``kv_cache_dtype`` (fp8, int8, int4) uint8 ``[num_blocks, block_bytes]``, each block its
+token rows' codes then their scales (``KVFormat.block_regions``). Either way block ``b`` is
+``buf[b]``, so copy-on-write, the host and disk tiers move blocks without knowing the format.
+
 A layer that reuses another layer's KV has no buffers: it reads its owner's.
 
 With hybrid KV groups (``kvpage.core.kv.kv_groups``: a model mixing sliding-window and full
@@ -21,6 +26,7 @@ from typing import Any, Optional
 import numpy as np
 
 from kvpage.core.kv.kv_groups import KVCacheGroups
+from kvpage.core.kv_formats import CacheFormat, KVFormat
 from kvpage.storage.spec import KVCacheSpec, LayerKVSpec
 
 _BACKENDS = ("numpy", "torch", "cupy")
@@ -61,16 +67,27 @@ class PagedKVCache:
         self._owned = [*own_k.values(), *own_v.values()]
 
     def _pair(self, layer: LayerKVSpec) -> tuple:
-        bs = self.spec.block_size
-        return (self._zeros((self.num_blocks, bs, layer.k_heads, layer.k_head_dim)),
-                self._zeros((self.num_blocks, bs, layer.v_heads, layer.v_head_dim)))
+        bs, shape = self.spec.block_size, self.spec.kv_format.buffer_shape
+        return (self._zeros(shape(self.num_blocks, bs, layer.k_heads, layer.k_head_dim)),
+                self._zeros(shape(self.num_blocks, bs, layer.v_heads, layer.v_head_dim)))
 
     def _zeros(self, shape: tuple) -> Any:
+        dtype = self.spec.kv_format.storage_dtype
         if self.backend == "torch":
-            return self._xp.zeros(shape, dtype=getattr(self._xp, self.spec.dtype))
-        if self.spec.dtype == "bfloat16":
+            return self._xp.zeros(shape, dtype=getattr(self._xp, dtype))
+        if dtype == "bfloat16":
             raise ValueError(f"bfloat16 needs the torch backend ({self.backend} has no bfloat16)")
-        return self._xp.zeros(shape, dtype=self.spec.dtype)
+        return self._xp.zeros(shape, dtype=dtype)
+
+    @property
+    def kv_format(self) -> KVFormat:
+        """The buffers' storage format (``spec.kv_format``, a ``KVFormat``)."""
+        return self.spec.kv_format
+
+    @property
+    def cache_format(self) -> CacheFormat:
+        """``spec.cache_format``: what a kernel needs besides a buffer to read it."""
+        return self.spec.cache_format
 
     @property
     def nbytes(self) -> int:

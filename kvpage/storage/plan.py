@@ -9,12 +9,17 @@ tokens while decoding, after setting aside what one prefill chunk of the step's 
 budget adds to the sliding groups for the duration of its step::
 
     max_concurrency = (num_blocks - chunk_reserve) // blocks_per_request(N)
+
+The plan is for the spec's KV format (``kv_cache_dtype``); ``format_rows`` puts every
+format side by side under the plan's byte budget.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 from kvpage.core.kv.kv_groups import KVCacheGroups
+from kvpage.core.kv_formats import KV_CACHE_DTYPES
 from kvpage.storage.sizing import determine_num_blocks, kv_sizing_rule
 from kvpage.storage.spec import KVCacheSpec
 
@@ -76,6 +81,9 @@ def memory_plan(spec: KVCacheSpec, max_model_len: int, chunk_tokens: int, *,
         "max_model_len": max_model_len,
         "block_size": spec.block_size,
         "dtype": spec.dtype,
+        "kv_cache_dtype": spec.kv_cache_dtype,
+        "kv_format": spec.kv_format.name,
+        "bytes_per_token": spec.bytes_per_token,
         "step_token_budget": chunk_tokens,
         "sizing_rule": rule,
         "budget_bytes": budget["kv_cache_memory"] if budget["kv_cache_memory"] is not None else single["kv_cache_bytes"],
@@ -83,3 +91,35 @@ def memory_plan(spec: KVCacheSpec, max_model_len: int, chunk_tokens: int, *,
         "without_hybrid": single,
         "concurrency_ratio": ratio,
     }
+
+
+#: The formats ``format_rows`` compares: every distinct one (``auto`` and ``fp8`` are aliases).
+PLAN_FORMATS = tuple(name for name in KV_CACHE_DTYPES if name not in ("auto", "fp8"))
+
+
+def format_rows(spec: KVCacheSpec, max_model_len: int, chunk_tokens: int, budget_bytes: int,
+                max_num_seqs: int = 256) -> list[dict]:
+    """Every KV format side by side under one byte budget, in the engine's default layout
+    (hybrid groups where the model has them): bytes per token, blocks, tokens and maximum
+    concurrency, and the tokens relative to the model's dtype. A format the model cannot
+    take (an odd head size for int4) or the budget cannot fit has ``error`` instead."""
+    rows, base_tokens = [], None
+    for name in PLAN_FORMATS:
+        row: dict = {"kv_cache_dtype": name, "selected": name == spec.kv_format.name}
+        try:
+            fmt_spec = dataclasses.replace(spec, kv_cache_dtype=name)
+            row["bytes_per_token"] = fmt_spec.bytes_per_token
+            layout = plan_layout(fmt_spec, fmt_spec.kv_groups(hybrid=True), max_model_len, chunk_tokens,
+                                 kv_cache_memory=budget_bytes, max_num_seqs=max_num_seqs)
+        except ValueError as exc:
+            row["error"] = str(exc)
+            rows.append(row)
+            continue
+        row.update(num_blocks=layout["num_blocks"], tokens=layout["num_blocks"] * spec.block_size,
+                   max_concurrency=layout["max_concurrency"])
+        if name == spec.dtype:
+            base_tokens = row["tokens"]
+        rows.append(row)
+    for row in rows:
+        row["capacity_ratio"] = row["tokens"] / base_tokens if base_tokens and "tokens" in row else None
+    return rows

@@ -1,9 +1,10 @@
 """The KV cache's shape: one ``LayerKVSpec`` per attention layer, gathered in a ``KVCacheSpec``.
 
 A layer's layout is what one token stores in it: K rows ``[k_heads, k_head_dim]`` and V
-rows ``[v_heads, v_head_dim]``. ``KVCacheSpec`` adds the block size and dtype, and derives
-bytes per token and per block, the layers that own buffers, and the KV groups. Pure and
-torch-free.
+rows ``[v_heads, v_head_dim]``. ``KVCacheSpec`` adds the block size, the model's dtype and
+the KV cache format (``kv_cache_dtype``, ``kvpage.core.kv_formats``), and derives bytes per
+token and per block (a quantized format's scales included), the layers that own buffers,
+and the KV groups. Pure and torch-free.
 """
 from __future__ import annotations
 
@@ -11,8 +12,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from kvpage.core.kv.kv_groups import KVCacheGroups, plan_kv_groups
-
-_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+from kvpage.core.kv_formats import MODEL_DTYPES, CacheFormat, KVFormat, resolve_kv_format
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,12 +84,17 @@ class KVCacheSpec:
     Attributes:
         layers: the layers' layouts, in layer order (``layers[i]`` is layer ``i``).
         block_size: tokens per block.
-        dtype: "float32", "float16" or "bfloat16".
+        dtype: the model's K/V dtype: "float32", "float16" or "bfloat16".
+        kv_cache_dtype: how the cache stores K/V (``kvpage.core.kv_formats.KV_CACHE_DTYPES``):
+            "auto" is ``dtype``; a quantized format ("fp8", "int8", "int4", ...) stores each
+            token's rows as codes plus scales, ``[num_blocks, block_bytes]`` uint8 buffers.
+            Every layer's head size must take the format (int4 needs even ones).
     """
 
     layers: tuple
     block_size: int
     dtype: str = "float32"
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))
@@ -105,15 +110,36 @@ class KVCacheSpec:
             if layer.layout != self.layers[layer.reuses].layout:
                 raise ValueError(f"layer {index} reuses layer {layer.reuses}, whose KV layout differs")
         _check_positive("block_size", self.block_size)
-        if self.dtype not in _ITEMSIZE:
-            raise ValueError(f"dtype must be one of {sorted(_ITEMSIZE)}, got {self.dtype!r}")
+        if self.dtype not in MODEL_DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(MODEL_DTYPES)}, got {self.dtype!r}")
+        kv_format = resolve_kv_format(self.kv_cache_dtype, self.dtype)
+        for index in self.owner_layers:
+            layer = self.layers[index]
+            try:
+                kv_format.check_head_dim(layer.k_head_dim)
+                kv_format.check_head_dim(layer.v_head_dim)
+            except ValueError as exc:
+                raise ValueError(f"layer {index}: {exc}") from None
+        # Resolved once (a frozen dataclass without slots keeps it beside the fields).
+        object.__setattr__(self, "_kv_format", kv_format)
 
     @classmethod
     def uniform(cls, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
-                dtype: str = "float32") -> "KVCacheSpec":
+                dtype: str = "float32", kv_cache_dtype: str = "auto") -> "KVCacheSpec":
         """``num_layers`` layers with K and V of ``[num_kv_heads, head_dim]`` each."""
         _check_positive("num_layers", num_layers)
-        return cls((LayerKVSpec.symmetric(num_kv_heads, head_dim),) * num_layers, block_size, dtype)
+        return cls((LayerKVSpec.symmetric(num_kv_heads, head_dim),) * num_layers, block_size, dtype,
+                   kv_cache_dtype)
+
+    @property
+    def kv_format(self) -> KVFormat:
+        """The storage format of every K and V buffer (``kv_cache_dtype`` resolved)."""
+        return self._kv_format
+
+    @property
+    def cache_format(self) -> CacheFormat:
+        """What an attention kernel needs besides a buffer to read it: format and block size."""
+        return CacheFormat(self._kv_format, self.block_size)
 
     @property
     def num_layers(self) -> int:
@@ -153,17 +179,21 @@ class KVCacheSpec:
         ``group_size`` layers."""
         if groups is None or not groups.is_hybrid:
             return self.bytes_per_block
-        return groups.group_size * self.block_size * self.layers[0].elements_per_token * self.itemsize
+        return groups.group_size * self.block_size * self.layer_bytes_per_token(self.layers[0])
 
-    @property
-    def itemsize(self) -> int:
-        """Bytes per element."""
-        return _ITEMSIZE[self.dtype]
+    def layer_bytes_per_token(self, layer: LayerKVSpec) -> int:
+        """Bytes one token stores in ``layer``'s own K and V buffers in this spec's format
+        (codes and scales; 0 for a layer that reuses another's)."""
+        if layer.reuses is not None:
+            return 0
+        row_bytes = self._kv_format.row_bytes
+        return layer.k_heads * row_bytes(layer.k_head_dim) + layer.v_heads * row_bytes(layer.v_head_dim)
 
     @property
     def bytes_per_token(self) -> int:
-        """Bytes of K and V of one token, summed over the layers that own buffers."""
-        return sum(layer.elements_per_token for layer in self.layers) * self.itemsize
+        """Bytes of K and V of one token, summed over the layers that own buffers (a
+        quantized format's scales included)."""
+        return sum(self.layer_bytes_per_token(layer) for layer in self.layers)
 
     @property
     def bytes_per_block(self) -> int:

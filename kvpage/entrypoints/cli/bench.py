@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+from kvpage.core.kv_formats import KV_CACHE_DTYPES
 from kvpage.tools.bench.workload import SCENARIOS
 from kvpage.entrypoints.cli.args import non_negative_float, positive_int
 
@@ -53,6 +54,9 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add("--token-budget", type=positive_int, default=None, help="tokens per step with chunked prefill "
         "(default 128 on CPU, 512 at full scale)")
     add("--block-size", type=positive_int, default=16, help="KV block (page) size in tokens for B-E")
+    add("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help="KV cache format of the kvpage "
+        "configurations C-G (auto: the model's dtype); the KV budget in bytes stays that of the model's dtype, "
+        "so a quantized format holds more tokens")
     add("--seed", type=int, default=0)
     add("--device", choices=("auto", "cpu", "cuda"), default="auto")
     add("--out", type=Path, default=Path("bench_out"), help="folder for bench.json, bench.md and bench.png")
@@ -82,7 +86,8 @@ def _options(args: argparse.Namespace):
     budget = None if args.kv_budget_mb is None else int(args.kv_budget_mb * 2**20)
     return SuiteOptions(model=args.model or ("random-350m" if full else "random-30m"), scenarios=args.scenario,
                         configs=configs, scale=scale, seed=args.seed, rate=args.rate, static_seqs=args.static_seqs,
-                        kv_budget_bytes=budget, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                        kv_budget_bytes=budget, block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype,
+                        max_num_seqs=args.max_num_seqs,
                         token_budget=args.token_budget or (512 if full else 128), device=device,
                         progress=not args.no_progress, out_dir=args.out)
 

@@ -1,16 +1,20 @@
 """``kvpage plan MODEL --max-model-len N``: the KV memory plan, without loading weights or allocating.
 
 Prints, with and without the hybrid KV cache manager, each KV group's bytes per token and
-blocks per request at ``N``, and the maximum concurrency the budget allows (``kv_plan``).
+blocks per request at ``N``, and the maximum concurrency the budget allows (``kvpage.storage.plan``),
+for the KV format ``--kv-cache-dtype`` names; then every format side by side under the same
+budget (bytes per token, blocks, maximum concurrency). ``--json`` prints all of it as JSON.
 A budget that cannot hold one request at ``N`` is one line on stderr with the numbers (exit 1).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
 
+from kvpage.core.kv_formats import KV_CACHE_DTYPES
 from kvpage.entrypoints.cli.args import UsageError, positive_float, positive_int
 from kvpage.entrypoints.cli.serve import parse_bytes
 
@@ -31,7 +35,9 @@ def add_plan_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=positive_int, default=2048,
                    help="token budget of one step (a prefill chunk's size)")
     p.add_argument("--max-num-seqs", type=positive_int, default=256, help="most sequences in one step")
-    p.add_argument("--dtype", choices=_DTYPES, default="bfloat16", help="KV dtype")
+    p.add_argument("--dtype", choices=_DTYPES, default="bfloat16", help="the model's dtype")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="KV cache format (auto: the model's dtype); every format is also shown side by side")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=run_plan_command, subparser=p)
     return p
@@ -76,13 +82,16 @@ def _gpu_measurements(utilization: float, model: str) -> dict:
 def run_plan_command(args: argparse.Namespace) -> int:
     from kvpage.adapters.config_spec import kv_spec_from_config
 
-    from kvpage.storage.plan import memory_plan
+    from kvpage.storage.plan import format_rows, memory_plan
 
     try:
         spec = kv_spec_from_config(_load_config(args.model), args.block_size, args.dtype)
+        spec = dataclasses.replace(spec, kv_cache_dtype=args.kv_cache_dtype)
         measured = _gpu_measurements(args.gpu_memory_utilization, args.model) if args.gpu_memory_utilization else {}
         plan = memory_plan(spec, args.max_model_len, args.max_num_batched_tokens,
                            kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs, **measured)
+        plan["formats"] = format_rows(spec, args.max_model_len, args.max_num_batched_tokens, plan["budget_bytes"],
+                                      args.max_num_seqs)
     except ValueError as exc:
         print(f"kvpage plan: {exc}", file=sys.stderr)
         return 1
@@ -94,8 +103,8 @@ def run_plan_command(args: argparse.Namespace) -> int:
 def render_plan(plan: dict) -> str:
     """The plan as a few aligned lines per layout."""
     lines = [f"KV plan for {plan['model']} at {plan['max_model_len']} tokens per request "
-             f"({plan['dtype']}, blocks of {plan['block_size']} tokens, budget {plan['budget_bytes'] / 2**30:.2f} GiB, "
-             f"{plan['sizing_rule']})"]
+             f"(KV {plan['kv_format']}, {plan['bytes_per_token']} bytes per token; model {plan['dtype']}; blocks of "
+             f"{plan['block_size']} tokens, budget {plan['budget_bytes'] / 2**30:.2f} GiB, {plan['sizing_rule']})"]
     for name in ("with_hybrid", "without_hybrid"):
         layout = plan[name]
         title = "hybrid KV groups" if name == "with_hybrid" else "one group (hybrid off)"
@@ -112,4 +121,24 @@ def render_plan(plan: dict) -> str:
                      f"max concurrency: {layout['max_concurrency']}")
     if plan["concurrency_ratio"] is not None:
         lines.append(f"\nhybrid / one group: {plan['concurrency_ratio']:.2f}x the concurrent requests")
+    if plan.get("formats"):
+        lines.extend(render_formats(plan["formats"], plan["dtype"]))
     return "\n".join(lines)
+
+
+def render_formats(rows: list, model_dtype: str) -> list:
+    """Every KV format side by side (the plan's budget, the engine's default layout)."""
+    lines = ["\nevery KV format under this budget (the engine's default layout):",
+             f"  {'kv_cache_dtype':<15} {'bytes/token':>11} {'blocks':>8} {'tokens':>10} {'max concurrency':>15} "
+             f"{'vs ' + model_dtype:>12}"]
+    for row in rows:
+        mark = "*" if row["selected"] else " "
+        if "error" in row:
+            why = row["error"] if len(row["error"]) <= 60 else row["error"][:57] + "..."
+            size = row.get("bytes_per_token", "-")
+            lines.append(f"{mark} {row['kv_cache_dtype']:<15} {size:>11} {'-':>8} {'-':>10} {'-':>15} {'':>12}  {why}")
+            continue
+        ratio = f"{row['capacity_ratio']:.2f}x" if row["capacity_ratio"] is not None else "-"
+        lines.append(f"{mark} {row['kv_cache_dtype']:<15} {row['bytes_per_token']:>11} {row['num_blocks']:>8} "
+                     f"{row['tokens']:>10} {row['max_concurrency']:>15} {ratio:>12}")
+    return lines

@@ -14,6 +14,7 @@ from typing import Optional
 
 from kvpage.entrypoints.cli.args import DefaultsHelpFormatter, UsageError, non_negative_float, port, positive_float, positive_int
 from kvpage.core.config import DEFAULT_DISK_CACHE_GIB, EngineConfig
+from kvpage.core.kv_formats import KV_CACHE_DTYPES
 from kvpage.core.kv_events import KVEventsConfig
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
@@ -65,6 +66,10 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
                    help="the same as the positional MODEL (vLLM's spelling); give one of the two")
     p.add_argument("--dtype", choices=DTYPES, default="auto",
                    help="weights and KV dtype; auto is float32 on CPU and float16 on GPU")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="how the KV cache stores keys and values: auto (the model's dtype), an unquantized dtype, "
+                        "or fp8 (= fp8_e4m3), fp8_e5m2, int8, int4 with per-token scales (about 2x or 3.5x the "
+                        "tokens of bf16 in one budget)")
     p.add_argument("--device", type=parse_device, default="auto", metavar="{auto,cpu,cuda,cuda:N}",
                    help="where the model runs; auto takes a CUDA device when there is one")
     p.add_argument("--served-model-name", nargs="+", default=None,

@@ -26,7 +26,9 @@ def engine_summary(llm: "LLM", config: EngineConfig) -> list[str]:
     dtype = str(next(llm.model.parameters()).dtype).removeprefix("torch.")
     backend = getattr(runner.backend, "name", type(runner.backend).__name__)
     kv = getattr(runner, "kv_cache", None)
-    size = f", {kv.nbytes / 2**20:.1f} MiB {kv.spec.dtype}" if kv is not None else ""
+    size = ""
+    if kv is not None:
+        size = f", {kv.nbytes / 2**20:.1f} MiB {kv.spec.kv_format.name}, {kv.spec.bytes_per_token} bytes per token"
     rule = kv_sizing_rule(config.num_kv_blocks, config.kv_cache_memory, device.type)
     limit = llm.max_model_len
     kernels = ""

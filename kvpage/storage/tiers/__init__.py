@@ -76,7 +76,8 @@ def _open_disk(tiers: TierScheduling, folder: str, spec: KVCacheSpec, kv_cache: 
 
 
 def disk_block_shape(spec: Any) -> tuple:
-    """``[layers, block_size, heads, head_dim]`` of one block file's K (and V) tensor.
+    """``[layers, block_size, heads, head_dim]`` of one block file's K (and V) tensor, or for
+    a quantized KV format ``[layers, block_bytes]`` (each layer's block: codes, then scales).
 
     A file stacks the layers that own buffers, so the disk tier needs one layout for all of
     them with K and V alike; models with per-layer or MLA layouts (K and V heads differ) use
@@ -87,7 +88,8 @@ def disk_block_shape(spec: Any) -> tuple:
         raise ValueError("the disk KV tier (--kv-disk-cache) needs every layer's K and V in one layout; this model's "
                          f"layouts differ ({len(layouts)} layer layouts, K vs V {layouts[0]}): use the host tier "
                          "(--kv-offloading-size) only")
-    return (len(spec.owner_layers), spec.block_size, layouts[0].k_heads, layouts[0].k_head_dim)
+    block = spec.kv_format.buffer_shape(1, spec.block_size, layouts[0].k_heads, layouts[0].k_head_dim)[1:]
+    return (len(spec.owner_layers), *block)
 
 
 def _warn_if_disk_is_small(disk: Any, cap_bytes: int) -> None:

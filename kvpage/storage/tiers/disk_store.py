@@ -5,8 +5,10 @@ Layout::
     <kv_disk_cache>/kvpage-<fingerprint>/<block hash, 64 hex digits>.safetensors
 
 Each file holds tensors ``key`` and ``value``, ``[layers, block_size, kv_heads, head_dim]``
-in the KV dtype, and string metadata: the format, the fingerprint, the block hash and a
-CRC-32 of each tensor's bytes.
+in the KV dtype, or for a quantized KV format (fp8, int8, int4) the blocks' own bytes,
+uint8 ``[layers, block_bytes]`` (codes then scales, as in the pool), and string metadata:
+the format, the fingerprint (which names the KV format), the block hash and a CRC-32 of
+each tensor's bytes.
 
 * Why safetensors: a documented, widely read format with a bounds-checked parser
   (written in Rust) that keeps dtypes such as bfloat16, no pickle, and one small file per

@@ -1,7 +1,8 @@
 """The host tier's memory, and the byte copies between it and the pool's buffers.
 
 Per layer that owns buffers one K and one V tensor ``[num_slots, block_size, heads, head_dim]`` in
-the pool's dtype: host slot ``s`` holds one block, the same layout as pool block ``b``
+the pool's dtype (``[num_slots, block_bytes]`` uint8 for a quantized KV format, codes and scales
+moving together): host slot ``s`` holds one block, the same layout as pool block ``b``
 (``kvpage.storage.paged_cache``). When the pool is on a GPU the host tensors are pinned. Every copy
 is one gather and one scatter per layer and buffer, over all the step's blocks at once.
 """

@@ -41,6 +41,7 @@ class SuiteOptions:
     static_seqs: int = 8
     kv_budget_bytes: Optional[int] = None
     block_size: int = 16
+    kv_cache_dtype: str = "auto"  # of the kvpage configurations; the byte budget stays the model dtype's
     max_num_seqs: int = 64
     token_budget: int = 128
     unchunked_token_budget: int = 2048
@@ -66,7 +67,7 @@ def _scenario_budget(opts: SuiteOptions, loaded, workload, shared: int) -> int:
 
 def _run_scenario(opts: SuiteOptions, loaded, workload, budget: int, bar) -> dict[str, Any]:
     ctx = RunContext(workload, loaded, budget, opts.block_size, opts.max_num_seqs, opts.token_budget,
-                     opts.unchunked_token_budget, opts.seed, opts.progress)
+                     opts.unchunked_token_budget, opts.seed, opts.progress, opts.kv_cache_dtype)
     letters = (opts.configs or DEFAULT_CONFIGS).get(workload.name, "ABCDE")
     results = []
     for letter in letters:
@@ -127,6 +128,12 @@ def markdown_report(result: dict[str, Any]) -> str:
     m, s = result["machine"], result["settings"]
     gpu = m["gpu"]["name"] if m["gpu"] else "none"
     head = (f"kvpage bench — model {s['model']} ({s['num_params'] / 1e6:.1f}M params), scale {s['scale']}, "
-            f"KV budget {s['kv_budget_bytes'] / 2**20:.2f} MiB for every configuration; "
+            f"KV budget {s['kv_budget_bytes'] / 2**20:.2f} MiB for every configuration"
+            f"{_kv_format_note(s.get('kv_cache_dtype', 'auto'))}; "
             f"{m['cpu_model']} ({m['usable_cpus']} CPUs), torch {m['torch']}, GPU {gpu}")
     return "\n\n".join([head] + [report.markdown(sc) for sc in result["scenarios"]])
+
+
+def _kv_format_note(kv_cache_dtype: str) -> str:
+    """How the kvpage configurations store KV, when not in the model's dtype."""
+    return "" if kv_cache_dtype == "auto" else f" (kvpage configurations store KV as {kv_cache_dtype})"

@@ -27,6 +27,7 @@ class RunContext:
     unchunked_token_budget: int = 2048
     seed: int = 0
     progress: bool = False
+    kv_cache_dtype: str = "auto"  # the kvpage configurations' KV format (the budget is in bytes either way)
 
     @property
     def model(self) -> Any:

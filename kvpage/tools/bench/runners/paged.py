@@ -54,7 +54,7 @@ def engine_config(ctx: RunContext, config: str, disk_dir: Optional[str] = None,
                         max_num_seqs=ctx.max_num_seqs, max_num_batched_tokens=budget, enable_chunked_prefill=chunked,
                         enable_prefix_caching=config in ("E", "F", "G"), max_model_len=ctx.max_len, seed=ctx.seed,
                         onednn_linears=True, disable_hybrid_kv_cache_manager=config == "G",
-                        enforce_eager=enforce_eager, **tiers)
+                        enforce_eager=enforce_eager, kv_cache_dtype=ctx.kv_cache_dtype, **tiers)
 
 
 def build_llm(ctx: RunContext, config: str, disk_dir: Optional[str] = None, enforce_eager: bool = True):
