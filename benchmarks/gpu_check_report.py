@@ -1,4 +1,5 @@
-"""Decode comparison of ``benchmarks/gpu_check.sh``: fast vs reference Numba kernel vs torch SDPA.
+"""Decode comparison of ``benchmarks/gpu_check.sh``: fast vs reference Numba kernel vs torch SDPA,
+and the fast kernel over 8-bit quantized KV (int8, fp8 E4M3) vs over fp16 KV.
 
 Batch ``BATCH`` x ``CONTEXTS``, 32 query / 8 KV heads (group 4), head_dim 128, block size 16,
 shuffled block tables, fp16 and bf16 (bf16 needs CUDA torch; the reference kernel has no bf16).
@@ -8,13 +9,21 @@ comes from CUDA events (``bench_cuda.time_gpu``); bandwidth is K/V bytes read pe
 the peak of ``bench_cuda.PEAK_TABLE`` for the device's name. SDPA reads the same K/V gathered
 contiguous (the gather is not timed).
 
+Quantized rows (``QUANT_FORMATS`` x ``QUANT_CONTEXTS``, same batch and heads, fp16 q): the
+caches are uint8 ``[num_blocks, block_bytes]`` buffers of rows quantized by
+``kv_quant.quantize_rows``; bytes read count codes and scales (``KVFormat.row_bytes``).
+``vs_fast_fp16`` is the fast fp16 kernel's time at the same context over this row's time
+(above 1: faster than fp16). The fast kernel's output must match the reference kernel's
+over the same bytes within fp16 output rounding (``TOL["fp16"]``).
+
 Writes ``gpu_check.json`` and ``gpu_check.md`` into the folder given (else ``$OUT``, else .)::
 
     {"device": str | null, "date": ISO-8601 UTC, "commit": str | null,
      "host_us_per_decode_step": float | null,   # host us of one paged_attention decode call
      "peak_bytes_per_s": float | null, "peak_source": str | null,
-     "rows": [{"batch", "context", "dtype", "kernel": "fast" | "reference", "kernel_us",
-               "frac_peak", "sdpa_frac_peak" (null without CUDA torch)}],
+     "rows": [{"batch", "context", "dtype" (fp16 | bf16 | int8 | fp8_e4m3), "kernel": "fast" | "reference",
+               "kernel_us", "frac_peak", "sdpa_frac_peak" (null without CUDA torch; null for 8-bit),
+               "vs_fast_fp16" (8-bit rows only)}],
      "mismatches": [str], "skipped": [str]}
 
 Without a GPU (or with ``--no-gpu``) nothing is measured: ``device`` and the figures are null
@@ -39,6 +48,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_cuda, also under PYTHONSAFEPATH=1
 
 BATCH, CONTEXTS = 32, (2048, 4096, 8192, 16384)
+QUANT_FORMATS, QUANT_CONTEXTS = ("int8", "fp8_e4m3"), (2048, 8192)
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 ROTATION_L2_MULTIPLE = 4
 TOL = {"fp16": dict(rtol=3e-3, atol=2e-3), "bf16": dict(rtol=2e-2, atol=2e-2)}
@@ -119,6 +129,84 @@ def measure_shape(context: int, dtype: str, peak: float, l2_bytes: int, torch_cu
     return rows, mismatches
 
 
+def _quant_buffer(name: str, context: int, seed: int = 0) -> tuple:
+    """A host uint8 ``[num_blocks, block_bytes]`` cache of ``BATCH`` x ``context`` tokens:
+    4096 rows quantized by the numpy reference, repeated (codes and scales stay paired)."""
+    from kvpage.core.kv_formats import CacheFormat, KVFormat
+    from kvpage.kernels import kv_quant
+
+    fmt = KVFormat(name)
+    rows = np.random.default_rng(seed).standard_normal((4096, HEAD_DIM)).astype(np.float32)
+    codes, scales = kv_quant.quantize_rows(rows, fmt)
+    num_blocks = BATCH * -(-context // BLOCK_SIZE)
+    per_block = BLOCK_SIZE * KV_HEADS
+    buf = np.concatenate([np.resize(codes.reshape(-1), (num_blocks, per_block * codes.shape[1])),
+                          np.resize(scales.reshape(-1), (num_blocks, per_block * scales.shape[1]))], axis=1)
+    assert buf.shape == fmt.buffer_shape(num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    return buf, CacheFormat(fmt, BLOCK_SIZE)
+
+
+def _quant_copies(name: str, context: int, l2_bytes: int) -> tuple[list[dict], int]:
+    """Decode inputs over ``name`` caches (CuPy) in as many copies as the rotation needs, and
+    the bytes one call reads."""
+    import cupy
+
+    key, cf = _quant_buffer(name, context, seed=1)
+    value, _ = _quant_buffer(name, context, seed=2)
+    nbytes = 2 * BATCH * context * KV_HEADS * cf.kv_format.row_bytes(HEAD_DIM)
+    copies = []
+    for i in range(max(1, math.ceil(ROTATION_L2_MULTIPLE * l2_bytes / nbytes))):
+        rng = np.random.default_rng(100 + i)
+        tables = rng.permutation(key.shape[0]).astype(np.int32).reshape(BATCH, -1)
+        q = rng.standard_normal((BATCH, HEADS, HEAD_DIM)).astype(np.float16)
+        copies.append(dict(q=cupy.asarray(q), key_cache=cupy.asarray(key), value_cache=cupy.asarray(value),
+                           query_start_loc=cupy.asarray(np.arange(BATCH + 1, dtype=np.int32)),
+                           seq_lens=cupy.asarray(np.full(BATCH, context, np.int32)),
+                           block_tables=cupy.asarray(tables), cache_format=cf))
+    return copies, nbytes
+
+
+def measure_quant_shape(name: str, context: int, peak: float, l2_bytes: int, fp16_seconds) -> tuple[list, list]:
+    """Rows (fast, reference) and mismatch messages for one 8-bit format and context;
+    ``fp16_seconds``: the fast fp16 kernel's time at this context (None if not measured)."""
+    from bench_cuda import numba_decode_fn, time_gpu
+
+    copies, nbytes = _quant_copies(name, context, l2_bytes)
+    outputs, rows = {}, []
+    for kernel in ("fast", "reference"):
+        fns = [numba_decode_fn(c, BATCH, context, decode_kernel=kernel) for c in copies]
+        outputs[kernel] = _host(fns[0]())
+        seconds = time_gpu(_rotating(fns))
+        rows.append({"batch": BATCH, "context": context, "dtype": name, "kernel": kernel,
+                     "kernel_us": round(seconds * 1e6, 2), "frac_peak": round(nbytes / seconds / peak, 4),
+                     "sdpa_frac_peak": None,
+                     "vs_fast_fp16": round(fp16_seconds / seconds, 3) if fp16_seconds else None})
+    mismatches = []
+    if not np.allclose(outputs["fast"], outputs["reference"], **TOL["fp16"]):
+        err = float(np.abs(outputs["fast"] - outputs["reference"]).max())
+        mismatches.append(f"context {context} {name}: fast vs reference max |diff| {err:.3g}")
+    return rows, mismatches
+
+
+def measure_quant(report: dict, peak: float, l2_bytes: int) -> None:
+    """The 8-bit rows of ``report`` (after the fp16 ones, whose fast times they compare with)."""
+    import cupy
+
+    fp16 = {r["context"]: r["kernel_us"] / 1e6 for r in report["rows"]
+            if r["dtype"] == "fp16" and r["kernel"] == "fast"}
+    for name in QUANT_FORMATS:
+        for context in QUANT_CONTEXTS:
+            try:
+                rows, mismatches = measure_quant_shape(name, context, peak, l2_bytes, fp16.get(context))
+            except Exception as exc:  # noqa: BLE001 - reported as a failure, the other rows still run
+                rows, mismatches = [], [f"context {context} {name}: {type(exc).__name__}: {exc}"]
+            report["rows"] += rows
+            report["mismatches"] += mismatches
+            for row in rows:
+                print(json.dumps(row), flush=True)
+            cupy.get_default_memory_pool().free_all_blocks()
+
+
 def host_us_per_call(fn, calls: int = HOST_CALLS) -> float:
     """Host microseconds per call of ``fn`` while the GPU sleeps (so the host alone is timed)."""
     import cupy
@@ -160,6 +248,7 @@ def measure(report: dict) -> None:
             for row in rows:
                 print(json.dumps(row), flush=True)
             cupy.get_default_memory_pool().free_all_blocks()
+    measure_quant(report, peak, l2_bytes)
     fn = numba_decode_fn(make_decode(BATCH, 4096, HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE), BATCH, 4096)
     report["host_us_per_decode_step"] = round(host_us_per_call(fn), 2)
 
@@ -173,10 +262,10 @@ def markdown(report: dict) -> str:
              f"date {report['date']}, commit {fmt(report['commit'])}, peak {fmt(report['peak_bytes_per_s'])} B/s "
              f"({fmt(report['peak_source'])}), host us per paged_attention decode call "
              f"{fmt(report['host_us_per_decode_step'])}", "",
-             "| batch | context | dtype | kernel | kernel us | frac of peak | SDPA frac of peak |",
-             "|---:|---:|---|---|---:|---:|---:|"]
+             "| batch | context | dtype | kernel | kernel us | frac of peak | SDPA frac of peak | vs fast fp16 |",
+             "|---:|---:|---|---|---:|---:|---:|---:|"]
     lines += [f"| {r['batch']} | {r['context']} | {r['dtype']} | {r['kernel']} | {r['kernel_us']} | {r['frac_peak']} "
-              f"| {fmt(r['sdpa_frac_peak'])} |" for r in report["rows"]]
+              f"| {fmt(r['sdpa_frac_peak'])} | {fmt(r.get('vs_fast_fp16'))} |" for r in report["rows"]]
     lines += [""] + [f"- MISMATCH: {m}" for m in report["mismatches"]] + [f"- skipped: {s}" for s in report["skipped"]]
     return "\n".join(lines) + "\n"
 

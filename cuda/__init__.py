@@ -12,7 +12,8 @@ Public entry points (same contract as ``kvpage.attention.reference``):
 ``cache_format`` (a quantized ``kvpage.core.kv_formats.CacheFormat``: fp8_e4m3, fp8_e5m2,
 int8, int4) makes the caches uint8 ``[num_blocks, block_bytes]`` buffers: ``store_kv``
 quantizes rows into them (``quant_store``, byte-identical to ``kv_quant.quantize_rows``) and
-the reference kernels dequantize each K/V element as they load it (``quant_load``).
+the kernels dequantize each K/V element as they load it (the reference ones through
+``quant_load``; int8 and fp8 decodes take the fast kernel too, through ``fast_rows``).
 
 Importing this package never touches a GPU and imports neither numba nor cupy nor torch:
 the wrappers load on first attribute access and kernels compile on first launch.

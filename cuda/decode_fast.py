@@ -1,4 +1,5 @@
-"""Fast Numba CUDA decode kernel (one query token per sequence) over paged fp16/bf16 KV.
+"""Fast Numba CUDA decode kernel (one query token per sequence) over paged fp16/bf16 KV, or
+over 8-bit quantized KV (int8, fp8 E4M3/E5M2).
 
 Nothing compiles at import time: ``fast_decode_kernel`` builds a ``cuda.jit`` dispatcher per
 ``(head_dim, group, kv_dtype)`` on first call (cached). ``kvpage.cuda.ptx_check`` compiles
@@ -6,9 +7,12 @@ every variant (``fast_signature``) for sm_90 and reports its load widths and res
 
 Work decomposition: grid ``(num_seqs, num_kv_heads, num_splits)``, ``FAST_THREADS`` (4 warps)
 per block; a block serves every query head of its kv head's GQA group over the keys of its
-split. A lane loads 16 bytes (8 elements) of a key or value row at a time, so ``head_dim / 8``
-lanes own one row and a warp works on ``256 / head_dim`` keys at once; each warp walks its own
-keys, ``UNROLL`` steps per iteration with every step's K and V loads issued before any is used.
+split. A lane loads 8 elements of a key or value row at a time (16 bytes of fp16/bf16, or 8
+code bytes and the row's scale: ``fast_rows``), so ``head_dim / 8`` lanes own one row and a
+warp works on ``256 / head_dim`` keys at once; each warp walks its own keys,
+``fast_launch.fast_unroll`` steps per iteration with every step's K and V loads issued
+before any is used. A quantized row's scale multiplies its score (``s_k * (q . codes)``) and
+its softmax weight (``p * s_v``), never the elements.
 Dot products reduce by warp shuffles; softmax is online in base 2 (``log2(e)`` folded into the
 query scale). At the end, lanes' and warps' (max, sum, acc) states merge through shuffles and a
 small shared array. Page ids are staged once per block in shared memory.
@@ -21,8 +25,9 @@ first launch; the kernel leaves it zero.
 
 Arrays are passed as raw bits, so one variant serves fp16 and bf16 without a bf16 array type:
 ``q`` ``[T, H, D/2]`` and the caches ``[N, B, H_kv, D/2]`` as 32-bit words (two elements each,
-C-contiguous, rows 16-byte aligned), ``out`` ``[T, H, D]`` as 16-bit words. Supported: sliding
-windows, softcap, sinks (flags as ``attention_kernels``). Accumulation is fp32.
+C-contiguous, rows 16-byte aligned), ``out`` ``[T, H, D]`` as 16-bit words. Quantized caches
+are their uint8 ``[N, block_bytes]`` buffers (q and out fp16). Supported: sliding windows,
+softcap, sinks (flags as ``attention_kernels``). Accumulation is fp32.
 """
 from __future__ import annotations
 
@@ -32,7 +37,8 @@ from functools import lru_cache
 from numba import cuda, float32, int32, int64, uint32
 
 from .fast_intrinsics import device_helpers
-from .fast_launch import FAST_GROUPS, FAST_HEAD_DIMS, FAST_KV_DTYPES, FAST_MAX_SPLITS, FAST_THREADS
+from .fast_launch import FAST_MAX_SPLITS, FAST_QUANT_DTYPES, FAST_THREADS, fast_supported, fast_unroll
+from .fast_rows import row_reader
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -40,15 +46,13 @@ NEG_INF = -math.inf
 #: Page ids staged in shared memory per pass; a partition longer than
 #: ``(PAGE_CAP - 1) * block_size`` keys is walked in several passes.
 PAGE_CAP = 512
-#: Warp steps per iteration (each step: one key per ``head_dim / 8`` lanes), i.e. the K and the
-#: V loads of 16 bytes each lane has in flight before it uses any (4 KiB per warp at head_dim 128).
-UNROLL = 4
 
 
 @lru_cache(maxsize=None)
 def fast_decode_kernel(head_dim: int, group: int, kv_dtype: str, simulate: bool = False):
     """The fast decode kernel for one ``(head_dim, group, kv_dtype)``; ``simulate`` swaps the
-    16-byte loads, bit casts and shuffles for Python versions the CUDA simulator can run.
+    wide loads, byte permutes, bit casts and shuffles for Python versions the CUDA simulator
+    can run.
 
     Kernel signature (launch grid ``(num_seqs, num_kv_heads, num_splits)``, ``FAST_THREADS``)::
 
@@ -56,25 +60,30 @@ def fast_decode_kernel(head_dim: int, group: int, kv_dtype: str, simulate: bool 
                window, softcap, sinks, has_sinks, partition, write_partials, out,
                part_max, part_sum, part_acc, counters)
 
-    ``q`` uint32 ``[T, H, D/2]``, caches uint32 ``[N, B, H_kv, D/2]``, ``out`` uint16
-    ``[T, H, D]`` (fp16 or bf16 bits per ``kv_dtype``); metadata int32 as the reference kernel.
+    ``q`` uint32 ``[T, H, D/2]``, caches uint32 ``[N, B, H_kv, D/2]`` (quantized ``kv_dtype``:
+    uint8 ``[N, block_bytes]``), ``out`` uint16 ``[T, H, D]`` (bf16 bits for ``kv_dtype``
+    bf16, else fp16); metadata int32 as the reference kernel. The grid's y extent must be
+    ``H_kv``.
     ``write_partials != 0`` (needs ``num_splits <= FAST_MAX_SPLITS``) writes fp32 partials
     ``[T, H, S(, D)]`` and merges in the last block; ``counters`` int32 ``[num_seqs, H_kv]``.
     """
-    if head_dim not in FAST_HEAD_DIMS or group not in FAST_GROUPS or kv_dtype not in FAST_KV_DTYPES:
+    if not fast_supported(head_dim, group, kv_dtype):
         raise ValueError(f"no fast decode variant for head_dim={head_dim}, group={group}, kv_dtype={kv_dtype}")
     D, G, NT = head_dim, group, FAST_THREADS
     NW = NT // 32
-    LPK = D // 8  # lanes per key row, 16 bytes each
+    LPK = D // 8  # lanes per key row, 8 elements each
     KPS = 32 // LPK  # keys per warp step
-    U = UNROLL
+    U = fast_unroll(group, kv_dtype)
     KW = U * KPS  # keys per warp iteration
     W = D // 2  # 32-bit words per row
     RED = int(math.log2(LPK))  # shuffle rounds of a dot product
     SUBS = int(math.log2(KPS))  # shuffle rounds merging a warp's key lanes
     G8, U4, UG = G * 8, U * 4, U * G  # local array sizes must be literals
-    h = device_helpers(kv_dtype == "bf16", simulate)
-    ld_v4, shfl_xor, unpack8, to_bits, ld_cg = h.ld_v4, h.shfl_xor, h.unpack8, h.to_bits, h.ld_cg
+    h = device_helpers(kv_dtype == "bf16", simulate)  # q and out: fp16 unless bf16
+    ld_v4, shfl_xor, unpack_q, to_bits, ld_cg = h.ld_v4, h.shfl_xor, h.unpack8, h.to_bits, h.ld_cg
+    rd = row_reader(kv_dtype, head_dim, simulate)
+    heads_of, block_size_of, load_row, unpack8, row_scale = rd.heads, rd.block_size, rd.load, rd.unpack8, rd.scale
+    K_ADJ, V_ADJ = rd.k_adj, rd.v_adj  # powers of two: exact
 
     @cuda.jit(device=True, inline=True)
     def merge2(m, l, mo, lo):
@@ -97,10 +106,13 @@ def fast_decode_kernel(head_dim: int, group: int, kv_dtype: str, simulate: bool 
         mw_s = cuda.shared.array((G, FAST_MAX_SPLITS), float32)
         flag_s = cuda.shared.array(1, float32)
         # Registers (every index is a constant after unrolling): query slice, accumulators, a
-        # head's running max and sum, one iteration's raw K/V words and scores, 8 unpacked elements.
+        # head's running max and sum, one iteration's raw K/V words (8-bit codes: the last two
+        # of each four are constant zeros, which vanish) and raw row scales, its scores, 8
+        # unpacked elements.
         qf, acc = cuda.local.array(G8, float32), cuda.local.array(G8, float32)
         m, l = cuda.local.array(G, float32), cuda.local.array(G, float32)
         kraw, vraw = cuda.local.array(U4, uint32), cuda.local.array(U4, uint32)
+        ksr, vsr = cuda.local.array(U, uint32), cuda.local.array(U, uint32)
         s = cuda.local.array(UG, float32)
         f8 = cuda.local.array(8, float32)
 
@@ -112,8 +124,8 @@ def fast_decode_kernel(head_dim: int, group: int, kv_dtype: str, simulate: bool 
         split = int32(cuda.blockIdx.z)
         tok = int64(query_start_loc[seq])
         ctx = int32(seq_lens[seq])
-        bs = int32(key_cache.shape[1])
-        hkv = int64(key_cache.shape[2])
+        hkv = heads_of(key_cache)
+        bs = block_size_of(key_cache, hkv)
         cap = float32(softcap)
         cap_in = float32(LN2) / cap if cap > 0 else float32(0.0)  # base-2 score -> natural / cap
         cap_out = cap * float32(LOG2E)
@@ -123,12 +135,12 @@ def fast_decode_kernel(head_dim: int, group: int, kv_dtype: str, simulate: bool 
         kbeg = klo + split * int32(partition)
         kend = min(ctx, kbeg + int32(partition))
 
-        # This lane's 8 query elements of every head, pre-scaled by scaling * log2(e).
-        qscale = float32(scaling) * float32(LOG2E)
+        # This lane's 8 query elements of every head, pre-scaled by scaling * log2(e) (and K_ADJ).
+        qscale = float32(scaling) * float32(LOG2E * K_ADJ)
         nh = int64(q.shape[1])
         for r in range(G):
             w0, w1, w2, w3 = ld_v4(q, (tok * nh + kvh * G + r) * W + part * 4)
-            unpack8(w0, w1, w2, w3, f8)
+            unpack_q(w0, w1, w2, w3, f8)
             for e in range(8):
                 qf[r * 8 + e] = f8[e] * qscale
             m[r] = float32(NEG_INF)
@@ -159,13 +171,17 @@ def fast_decode_kernel(head_dim: int, group: int, kv_dtype: str, simulate: bool 
                         o -= bs
                         pi += int32(1)
                     if it + int32(u * KPS) + sub < c1:
-                        off = ((int64(pages_s[pi]) * bs + o) * hkv + kvh) * W + part * 4
-                        kraw[u * 4], kraw[u * 4 + 1], kraw[u * 4 + 2], kraw[u * 4 + 3] = ld_v4(key_cache, off)
-                        vraw[u * 4], vraw[u * 4 + 1], vraw[u * 4 + 2], vraw[u * 4 + 3] = ld_v4(value_cache, off)
+                        pg = pages_s[pi]
+                        kraw[u * 4], kraw[u * 4 + 1], kraw[u * 4 + 2], kraw[u * 4 + 3], ksr[u] = load_row(
+                            key_cache, pg, o, kvh, hkv, bs, part)
+                        vraw[u * 4], vraw[u * 4 + 1], vraw[u * 4 + 2], vraw[u * 4 + 3], vsr[u] = load_row(
+                            value_cache, pg, o, kvh, hkv, bs, part)
                     else:
                         for e in range(4):
                             kraw[u * 4 + e] = uint32(0)
                             vraw[u * 4 + e] = uint32(0)
+                        ksr[u] = uint32(0)
+                        vsr[u] = uint32(0)
                 # Scores: partial dots over this lane's 8 elements, reduced across the row's lanes.
                 for u in range(U):
                     unpack8(kraw[u * 4], kraw[u * 4 + 1], kraw[u * 4 + 2], kraw[u * 4 + 3], f8)
@@ -175,10 +191,12 @@ def fast_decode_kernel(head_dim: int, group: int, kv_dtype: str, simulate: bool 
                             dot += qf[r * 8 + e] * f8[e]
                         s[u * G + r] = dot
                 for u in range(U):
+                    sk = row_scale(ksr[u])  # 1.0 for fp16/bf16: folded away
                     for r in range(G):
                         x = s[u * G + r]
                         for t in range(RED):
                             x += shfl_xor(x, LPK >> (t + 1))
+                        x *= sk
                         if cap > 0:
                             x = cap_out * math.tanh(x * cap_in)
                         if it + int32(u * KPS) + sub >= c1:
@@ -201,8 +219,9 @@ def fast_decode_kernel(head_dim: int, group: int, kv_dtype: str, simulate: bool 
                         acc[r * 8 + e] *= a
                 for u in range(U):
                     unpack8(vraw[u * 4], vraw[u * 4 + 1], vraw[u * 4 + 2], vraw[u * 4 + 3], f8)
+                    sv = row_scale(vsr[u])
                     for r in range(G):
-                        p = s[u * G + r]
+                        p = s[u * G + r] * sv
                         for e in range(8):
                             acc[r * 8 + e] += p * f8[e]
                 it += int32(NW * KW)
@@ -232,6 +251,7 @@ def fast_decode_kernel(head_dim: int, group: int, kv_dtype: str, simulate: bool 
             for w in range(NW):
                 a, b, mx, tot = merge2(mx, tot, wm_s[w, r], wl_s[w, r])
                 val = val * a + wacc_s[w, r, d] * b
+            val *= float32(V_ADJ)
             head = kvh * int32(G) + r
             if write_partials != 0:
                 part_acc[tok, head, split, d] = val
@@ -299,13 +319,15 @@ def fast_decode_kernel(head_dim: int, group: int, kv_dtype: str, simulate: bool 
     return kernel
 
 
-def fast_signature() -> tuple:
-    """The Numba argument types every fast variant is compiled for (see ``fast_decode_kernel``)."""
+def fast_signature(kv_dtype: str = "fp16") -> tuple:
+    """The Numba argument types the fast variants of ``kv_dtype`` are compiled for (see
+    ``fast_decode_kernel``): the caches are uint8 ``[N, block_bytes]`` for quantized formats."""
     from numba.cuda import types as T
 
     def arr(dtype, ndim):
         return T.Array(dtype, ndim, "C")
 
     i32, i64, f32, f64 = T.int32, T.int64, T.float32, T.float64
-    return (arr(T.uint32, 3), arr(T.uint32, 4), arr(T.uint32, 4), arr(i32, 1), arr(i32, 1), arr(i32, 2), f64, i64,
+    cache = arr(T.uint8, 2) if kv_dtype in FAST_QUANT_DTYPES else arr(T.uint32, 4)
+    return (arr(T.uint32, 3), cache, cache, arr(i32, 1), arr(i32, 1), arr(i32, 2), f64, i64,
             f64, arr(f32, 1), i64, i64, i64, arr(T.uint16, 3), arr(f32, 3), arr(f32, 3), arr(f32, 4), arr(i32, 2))

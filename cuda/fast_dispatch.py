@@ -6,7 +6,9 @@ whenever ``fast_unsupported`` finds nothing against it, else the reference kerne
 simulator, runs its simulator build; ``"reference"`` always takes the reference kernel.
 
 The fast kernel reads q and the caches as 32-bit words and writes ``out`` as 16-bit words, so
-one compiled variant serves fp16 and bf16 (torch's bf16 has no Numba array type). Its split-K
+one compiled variant serves fp16 and bf16 (torch's bf16 has no Numba array type). Quantized
+caches (``cache_format``: int8, fp8_e4m3, fp8_e5m2; int4 stays on the reference kernel) are
+passed as their uint8 ``[num_blocks, block_bytes]`` buffers, with fp16 q and out. Its split-K
 partials and zeroed counters come from the per-(device, stream) ``workspace``: a decode step
 allocates nothing and never synchronises.
 """
@@ -18,8 +20,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .fast_launch import (FAST_BLOCKS_PER_SM, FAST_GROUPS, FAST_HEAD_DIMS, FastScratch, fast_decode_splits,
-                          fast_supported, fixed_splits, launch_fast_decode, scratch_shapes)
+from .fast_launch import (FAST_BLOCKS_PER_SM, FAST_GROUPS, FAST_HEAD_DIMS, FAST_QUANT_DTYPES, FastScratch,
+                          fast_decode_splits, fast_supported, fixed_splits, launch_fast_decode, scratch_shapes)
 from .interop import CUPY, NUMBA, NUMPY, TORCH, array_kind, as_kernel_arg, simulator_enabled
 from .launch_args import LaunchArgs
 
@@ -57,12 +59,34 @@ def _aligned_c_contiguous(x: Any) -> bool:
     return x.is_c_contiguous() and x.__cuda_array_interface__["data"][0] % 16 == 0
 
 
-def fast_unsupported(q: Any, key_cache: Any, value_cache: Any, head_dim: int, group: int) -> Optional[str]:
-    """Why the fast decode kernel cannot serve these arrays (None: it can)."""
-    dtypes = {dtype_name(a) for a in (q, key_cache, value_cache)}
-    if len(dtypes) != 1 or not dtypes <= FAST_DTYPES.keys():
-        return f"q and the caches must share one 16-bit dtype (float16, torch bfloat16), got {sorted(dtypes)}"
-    if not fast_supported(head_dim, group, FAST_DTYPES[dtypes.pop()]):
+def _quant_unsupported(q: Any, key_cache: Any, fmt: Any) -> Optional[str]:
+    """Why the fast kernel cannot read a quantized cache of ``fmt`` (a quantized ``CacheFormat``)."""
+    name = fmt.kv_format.name
+    if name not in FAST_QUANT_DTYPES:
+        return f"no fast variant for kv_cache_dtype {name} (compiled: {', '.join(FAST_QUANT_DTYPES)})"
+    if dtype_name(q) != "float16":
+        return f"q must be float16 for the fast kernel over {name} caches, got {dtype_name(q)}"
+    if int(key_cache.shape[1]) % 8:
+        return (f"a {name} block of {int(key_cache.shape[1])} bytes is not a multiple of 8 (the 8-byte code loads "
+                "need aligned rows)")
+    return None
+
+
+def fast_unsupported(q: Any, key_cache: Any, value_cache: Any, head_dim: int, group: int,
+                     fmt: Any = None) -> Optional[str]:
+    """Why the fast decode kernel cannot serve these arrays (None: it can); ``fmt``: the caches'
+    quantized ``CacheFormat`` (shapes and dtypes already checked by ``quant_ops``), or None."""
+    if fmt is not None:
+        reason = _quant_unsupported(q, key_cache, fmt)
+        if reason:
+            return reason
+        kv_dtype = fmt.kv_format.name
+    else:
+        dtypes = {dtype_name(a) for a in (q, key_cache, value_cache)}
+        if len(dtypes) != 1 or not dtypes <= FAST_DTYPES.keys():
+            return f"q and the caches must share one 16-bit dtype (float16, torch bfloat16), got {sorted(dtypes)}"
+        kv_dtype = FAST_DTYPES[dtypes.pop()]
+    if not fast_supported(head_dim, group, kv_dtype):
         return (f"no fast variant for head_dim {head_dim}, group {group} (compiled: head_dim {FAST_HEAD_DIMS}, "
                 f"group {FAST_GROUPS})")
     for name, arr in (("key_cache", key_cache), ("value_cache", value_cache)):
@@ -74,8 +98,9 @@ def fast_unsupported(q: Any, key_cache: Any, value_cache: Any, head_dim: int, gr
 
 
 def use_fast_decode(mode: str, q: Any, key_cache: Any, value_cache: Any, head_dim: int, group: int,
-                    has_prefill: bool) -> bool:
-    """Whether the decodes of a call go to the fast kernel under ``mode`` (see the module docstring).
+                    has_prefill: bool, fmt: Any = None) -> bool:
+    """Whether the decodes of a call go to the fast kernel under ``mode`` (see the module docstring);
+    ``fmt``: the caches' quantized ``CacheFormat``, or None.
 
     Raises ValueError for an unknown mode, for ``"fast"`` when the kernel cannot serve the call,
     and for bfloat16 unless the fast kernel serves every row (the reference kernels have no bf16).
@@ -83,7 +108,7 @@ def use_fast_decode(mode: str, q: Any, key_cache: Any, value_cache: Any, head_di
     if mode not in DECODE_KERNELS:
         raise ValueError(f"decode_kernel must be one of {DECODE_KERNELS}, got {mode!r}")
     reason = "decode_kernel='reference'" if mode == "reference" else fast_unsupported(q, key_cache, value_cache,
-                                                                                      head_dim, group)
+                                                                                      head_dim, group, fmt)
     if mode == "fast" and reason:
         raise ValueError(f"decode_kernel='fast' cannot serve this call: {reason}")
     if mode == "auto" and reason is None and simulator_enabled():
@@ -120,8 +145,10 @@ def _contiguous_q(q: Any) -> Any:
 
 
 def launch_fast(launch: LaunchArgs, num_decodes: int, num_seqs: int, max_decode_ctx: int,
-                num_splits: Optional[int]) -> None:
-    """The fast kernel over the first ``num_decodes`` sequences of ``launch`` (one token each).
+                num_splits: Optional[int], fmt: Any = None) -> None:
+    """The fast kernel over the first ``num_decodes`` sequences of ``launch`` (one token each);
+    ``fmt``: the caches' quantized ``CacheFormat`` (``fast_unsupported`` found nothing against
+    it), or None.
 
     ``num_splits`` None sizes split-K from the SM count (``fast_decode_splits``); a number
     fixes it (clamped to ``FAST_MAX_SPLITS``; 1: no partials, no merge).
@@ -130,7 +157,12 @@ def launch_fast(launch: LaunchArgs, num_decodes: int, num_seqs: int, max_decode_
 
     q, key_cache, value_cache, out = launch.arrays
     num_heads, head_dim = int(q.shape[1]), int(q.shape[2])
-    block_size, num_kv_heads = int(key_cache.shape[1]), int(key_cache.shape[2])
+    if fmt is not None:
+        _, block_size, num_kv_heads, _ = fmt.logical_shape(tuple(key_cache.shape), head_dim)
+        kv_dtype = fmt.kv_format.name
+    else:
+        block_size, num_kv_heads = int(key_cache.shape[1]), int(key_cache.shape[2])
+        kv_dtype = FAST_DTYPES[dtype_name(q)]
     group = num_heads // num_kv_heads
     if num_splits is None:
         splits = fast_decode_splits(num_decodes, num_kv_heads, max_decode_ctx, num_sms(), block_size,
@@ -144,7 +176,11 @@ def launch_fast(launch: LaunchArgs, num_decodes: int, num_seqs: int, max_decode_
     qsl, seq_lens, tables = launch.meta
     if num_decodes < num_seqs:
         qsl, seq_lens, tables = qsl[:num_decodes + 1], seq_lens[:num_decodes], tables[:num_decodes]
-    bits = tuple(_bits(a, 32, launch.stream) for a in (_contiguous_q(q), key_cache, value_cache))
-    kernel = fast_decode_kernel(head_dim, group, FAST_DTYPES[dtype_name(q)], simulate=simulator_enabled())
+    if fmt is not None:  # the uint8 buffers as they are
+        caches = tuple(as_kernel_arg(a, launch.stream) for a in (key_cache, value_cache))
+    else:
+        caches = tuple(_bits(a, 32, launch.stream) for a in (key_cache, value_cache))
+    bits = (_bits(_contiguous_q(q), 32, launch.stream), *caches)
+    kernel = fast_decode_kernel(head_dim, group, kv_dtype, simulate=simulator_enabled())
     launch_fast_decode(kernel, bits, (qsl, seq_lens, tables), scaling, window, cap, bool(has_sinks), splits,
-                       _bits(out, 16, launch.stream), scratch, launch.stream)
+                       _bits(out, 16, launch.stream), scratch, launch.stream, num_kv_heads)

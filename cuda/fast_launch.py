@@ -7,13 +7,15 @@ the grid fills it several times over (``fast_decode_splits``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 #: Threads per block of the fast kernel: 4 warps, each walking its own keys.
 FAST_THREADS = 128
 #: Resident blocks per SM each GQA group size is sized for (``register_budget``): a lane keeps
 #: 8 query elements and 8 accumulators per head in registers, so larger groups fit fewer blocks.
 #: group 1: <= 128 registers (4 blocks), 4: <= 168 (3), 8: <= 255 (2); every block has 4 warps,
-#: each with 4 KiB of K/V loads in flight per iteration.
+#: each with 4 KiB of K/V loads in flight per iteration (8-bit KV at groups 4 and 8: 2 KiB, see
+#: ``FAST_UNROLL``). The 8-bit variants keep the same budgets, so the same split sizing.
 FAST_BLOCKS_PER_SM = {1: 4, 4: 3, 8: 2}
 #: The grid is at least this many full waves (``sm_count * blocks_per_sm`` blocks each) when the
 #: context is long enough, so the last, partly filled wave is a small share of the run time.
@@ -24,10 +26,17 @@ FAST_MIN_PARTITION = 256
 #: Most splits per (sequence, kv head): the block that merges reads every split's partials, and
 #: its shared memory holds one weight per split and head.
 FAST_MAX_SPLITS = 64
-#: head_dim, group and KV dtypes the fast kernel is compiled for.
+#: head_dim, group and KV dtypes the fast kernel is compiled for: 16-bit caches, and the
+#: 8-bit quantized formats (``kvpage.core.kv_formats`` names; q and out are fp16 for those).
 FAST_HEAD_DIMS = (64, 128)
 FAST_GROUPS = (1, 4, 8)
 FAST_KV_DTYPES = ("fp16", "bf16")
+FAST_QUANT_DTYPES = ("int8", "fp8_e4m3", "fp8_e5m2")
+#: Warp steps per iteration (each step: one key per ``head_dim / 8`` lanes), i.e. the K and V
+#: loads each lane has in flight before it uses any: 16-bit rows 4 steps of 16 bytes (4 KiB
+#: per warp and iteration). 8-bit rows load half the bytes a step, so groups 1 and 4 take 8
+#: steps (the same 4 KiB in flight); group 8 has no registers left for more than 4.
+FAST_UNROLL = {"16bit": {1: 4, 4: 4, 8: 4}, "8bit": {1: 8, 4: 4, 8: 4}}
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +60,13 @@ def register_budget(group: int, threads: int = FAST_THREADS) -> int:
 
 def fast_supported(head_dim: int, group: int, kv_dtype: str) -> bool:
     """Whether a compiled fast variant exists for this shape (else use the reference kernel)."""
-    return head_dim in FAST_HEAD_DIMS and group in FAST_GROUPS and kv_dtype in FAST_KV_DTYPES
+    return (head_dim in FAST_HEAD_DIMS and group in FAST_GROUPS
+            and (kv_dtype in FAST_KV_DTYPES or kv_dtype in FAST_QUANT_DTYPES))
+
+
+def fast_unroll(group: int, kv_dtype: str) -> int:
+    """Warp steps per iteration of the ``(group, kv_dtype)`` variant (``FAST_UNROLL``)."""
+    return FAST_UNROLL["8bit" if kv_dtype in FAST_QUANT_DTYPES else "16bit"][group]
 
 
 def fixed_splits(context: int, splits: int, block_size: int) -> FastSplits:
@@ -129,17 +144,22 @@ def scratch_shapes(num_tokens: int, num_heads: int, head_dim: int, num_seqs: int
 
 
 def launch_fast_decode(kernel, bits: tuple, metadata: tuple, scaling: float, window: int, softcap: float,
-                       has_sinks: bool, splits: FastSplits, out_bits, scratch: FastScratch, stream=0) -> None:
+                       has_sinks: bool, splits: FastSplits, out_bits, scratch: FastScratch, stream=0,
+                       num_kv_heads: Optional[int] = None) -> None:
     """Launch ``decode_fast.fast_decode_kernel`` over ``metadata = (query_start_loc, seq_lens,
     block_tables)`` (int32, one decode per sequence) and ``bits = (q, key_cache, value_cache)``
-    as 32-bit words; writes ``out_bits`` (16-bit words of ``[T, H, D]``). ``window`` 0 and
-    ``softcap`` 0.0 mean none. With one split the kernel writes ``out`` directly; otherwise it
-    writes partials and its last block per (sequence, kv head) merges them (no second launch).
+    (q as 32-bit words; the caches as 32-bit words ``[N, B, H_kv, D/2]``, or a quantized
+    format's uint8 ``[N, block_bytes]`` buffers, which need ``num_kv_heads``); writes
+    ``out_bits`` (16-bit words of ``[T, H, D]``). ``window`` 0 and ``softcap`` 0.0 mean none.
+    With one split the kernel writes ``out`` directly; otherwise it writes partials and its
+    last block per (sequence, kv head) merges them (no second launch).
     """
     if splits.num_splits > FAST_MAX_SPLITS:
         raise ValueError(f"{splits.num_splits} splits exceed FAST_MAX_SPLITS ({FAST_MAX_SPLITS})")
-    num_seqs, num_kv_heads = int(metadata[1].shape[0]), int(bits[1].shape[2])
-    grid = (num_seqs, num_kv_heads, splits.num_splits)
+    if num_kv_heads is None:
+        num_kv_heads = int(bits[1].shape[2])
+    num_seqs = int(metadata[1].shape[0])
+    grid = (num_seqs, int(num_kv_heads), splits.num_splits)
     kernel[grid, FAST_THREADS, stream](*bits, *metadata, float(scaling), int(window), float(softcap), scratch.sinks,
                                        int(has_sinks), splits.partition, int(splits.num_splits > 1), out_bits,
                                        scratch.part_max, scratch.part_sum, scratch.part_acc, scratch.counters)

@@ -12,8 +12,9 @@ kernel only (it reads bits), so a bf16 batch must be decodes alone. Accumulation
 Quantized caches (``cache_format`` a quantized ``kvpage.core.kv_formats.CacheFormat``): uint8
 buffers ``[num_blocks, block_bytes]`` (``quant_ops``); ``store_kv`` quantizes float16/float32
 rows into them, byte-identical to ``kvpage.kernels.kv_quant.quantize_rows``, and
-``paged_attention`` (float16/float32 q) runs the reference kernels, which dequantize each K/V
-element in registers as they load it.
+``paged_attention`` (float16/float32 q) decodes on the fast kernel for int8 and fp8 (float16 q,
+``fast_dispatch``) and otherwise runs the reference kernels; all of them dequantize in
+registers as they load (the fast kernel folds a row's scale into its score and weight).
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from .fast_dispatch import dtype_name, launch_fast, num_sms, use_fast_decode
 from .interop import CUPY, TORCH, array_kind, as_kernel_arg, empty_like_kind, resolve_stream, simulator_enabled
 from .launch_args import LaunchArgs, meta_arg
 from .launch_config import choose_decode_tiles, choose_splits, choose_tile, prefill_rows
-from .quant_ops import check_decode_mode, check_rows, logical_shape, quantized, store_quantized
+from .quant_ops import check_rows, logical_shape, quantized, store_quantized
 from .workspace import array_device, workspace
 
 #: Dtypes of q and the caches (bfloat16: torch arrays, on the fast decode kernel only).
@@ -141,8 +142,9 @@ def paged_attention(
         threads_per_block, kv_tile: reference-kernel knobs (defaults: 128 threads, the largest
             tile in 46 KiB of shared memory; tiny values keep the simulator fast).
         cache_format: a quantized ``CacheFormat`` for uint8 caches ``[num_blocks, block_bytes]``
-            (decodes on the reference kernel: ``decode_kernel="fast"`` is a ValueError); None
-            or an unquantized one: caches of values.
+            (int8 and fp8 decodes of float16 q take the fast kernel under ``"auto"`` on a real GPU;
+            int4 decodes on the reference kernel, so ``"fast"`` is a ValueError there); None or
+            an unquantized one: caches of values.
     """
     fmt = quantized(cache_format)
     shapes = _check_attention_shapes(q, key_cache, value_cache, query_start_loc, seq_lens, block_tables, sinks, fmt)
@@ -153,11 +155,7 @@ def paged_attention(
     sizes = _batch_sizes(query_start_loc, seq_lens, shapes.num_tokens, window, num_decodes, max_prefill_query_len,
                          max_seq_len)
     has_prefill = num_seqs > sizes.num_decodes and sizes.max_prefill_query_len > 0
-    if fmt is not None:
-        check_decode_mode(decode_kernel, fmt)
-        fast = False
-    else:
-        fast = use_fast_decode(decode_kernel, q, key_cache, value_cache, shapes.head_dim, shapes.group, has_prefill)
+    fast = use_fast_decode(decode_kernel, q, key_cache, value_cache, shapes.head_dim, shapes.group, has_prefill, fmt)
     kv_format = fmt.kv_format.name if fmt is not None else None
     _prepare()
     launch_stream = resolve_stream(stream, (q, key_cache))
@@ -169,7 +167,7 @@ def paged_attention(
                               float(scaling), window, float(softcap or 0.0), launch_stream, threads,
                               workspace(array_device(q, array_kind(q)), launch_stream))
     if sizes.num_decodes and fast:
-        launch_fast(launch, sizes.num_decodes, num_seqs, sizes.max_decode_ctx, num_splits)
+        launch_fast(launch, sizes.num_decodes, num_seqs, sizes.max_decode_ctx, num_splits, fmt)
     elif sizes.num_decodes:
         _launch_decode(launch, shapes, sizes, num_splits, kv_tile, kv_format)
     if has_prefill:

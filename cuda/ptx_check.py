@@ -4,11 +4,13 @@ This catches typing/lowering errors that the simulator hides (it runs kernels as
 Python), and reports what decides a kernel's speed: its global load widths, registers,
 stack, spills and shared memory. Used by ``tests/test_cuda_ptx.py`` and ``benchmarks/gpu_check.sh``::
 
-    NUMBA_FORCE_CUDA_CC=9.0 python -m kvpage.cuda.ptx_check [--json] [--fast] [--only NAME,...]
+    NUMBA_FORCE_CUDA_CC=9.0 python -m kvpage.cuda.ptx_check [--json] [--fast] [--only NAME,...] [--jobs N]
 
 ``--json`` prints one object per variant (``PtxResult.row``), else a table; ``--fast``
-keeps the fast decode variants only. The variants: the reference kernels (fp16/fp32), the
-quantized-cache store/decode/prefill kernels (``quant_variant_names``) and the fast decode ones.
+keeps the fast decode variants only; ``--jobs N`` compiles in N processes (same output, in
+the same order). The variants: the reference kernels (fp16/fp32), the quantized-cache
+store/decode/prefill kernels (``quant_variant_names``) and the fast decode ones
+(``fast_variant_names``: fp16/bf16, then int8 and fp8 caches).
 Needs libNVVM + libdevice (CUDA toolkit, or the ``nvidia-nvvm``/``nvidia-cuda-nvcc`` wheels);
 NVRTC is optional (``toolchain.ensure_toolchain``).
 """
@@ -21,6 +23,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -47,20 +50,23 @@ class Variant:
 
 @dataclass(frozen=True, slots=True)
 class PtxResult:
-    """One compiled variant: its PTX, and ptxas' resource line (None without ptxas)."""
+    """One compiled variant: its PTX, ptxas' resource line (None without ptxas), and the
+    seconds both took."""
 
     variant: Variant
     ptx: str
     ptxas_info: Optional[str]
+    seconds: float = 0.0
 
     def row(self) -> dict:
         """The JSON report: ``name``, ``fast``, ``sm90_target``, ``ptx_chars``, ``fp64`` (fp64
-        arithmetic present), ``global_loads`` (load width in bits -> count), ``ptxas`` and its
-        ``registers``/``stack_bytes``/``spill_bytes``/``smem_bytes`` (None without ptxas)."""
+        arithmetic present), ``global_loads`` (load width in bits -> count), ``seconds``,
+        ``ptxas`` and its ``registers``/``stack_bytes``/``spill_bytes``/``smem_bytes`` (None
+        without ptxas); a fast variant adds its ``head_dim``, ``group``, ``kv_dtype``, ``unroll``."""
         row = {"name": self.variant.name, "fast": bool(self.variant.shape), **self.variant.shape,
                "sm90_target": ".target sm_90" in self.ptx, "ptx_chars": len(self.ptx),
                "fp64": bool(_FP64_MATH.search(self.ptx)), "global_loads": global_loads(self.ptx),
-               "ptxas": self.ptxas_info}
+               "seconds": round(self.seconds, 2), "ptxas": self.ptxas_info}
         for key, pattern in _PTXAS_NUMBERS.items():
             found = re.search(pattern, self.ptxas_info or "")
             row[key] = int(found.group(1)) if found else None
@@ -156,14 +162,23 @@ def fast_variant_name(head_dim: int, group: int, kv_dtype: str) -> str:
     return f"fast_decode_d{head_dim}_g{group}_{kv_dtype}"
 
 
-def _fast_variants() -> list[Variant]:
-    """Every compiled ``(head_dim, group, kv_dtype)`` of the fast decode kernel."""
-    from .decode_fast import fast_decode_kernel, fast_signature
-    from .fast_launch import FAST_GROUPS, FAST_HEAD_DIMS, FAST_KV_DTYPES
+def fast_variant_names() -> list[str]:
+    """Names of every fast decode variant: 16-bit, then 8-bit quantized KV (no numba import)."""
+    from .fast_launch import FAST_GROUPS, FAST_HEAD_DIMS, FAST_KV_DTYPES, FAST_QUANT_DTYPES
 
-    return [Variant(fast_variant_name(d, g, dt), fast_decode_kernel(d, g, dt).py_func, fast_signature(),
-                    {"head_dim": d, "group": g, "kv_dtype": dt})
-            for d in FAST_HEAD_DIMS for g in FAST_GROUPS for dt in FAST_KV_DTYPES]
+    return [fast_variant_name(d, g, dt) for dt in FAST_KV_DTYPES + FAST_QUANT_DTYPES
+            for d in FAST_HEAD_DIMS for g in FAST_GROUPS]
+
+
+def _fast_variants() -> list[Variant]:
+    """Every compiled ``(head_dim, group, kv_dtype)`` of the fast decode kernel; ``shape`` also
+    holds ``unroll`` (warp steps per iteration: one K and one V row load each)."""
+    from .decode_fast import fast_decode_kernel, fast_signature
+    from .fast_launch import FAST_GROUPS, FAST_HEAD_DIMS, FAST_KV_DTYPES, FAST_QUANT_DTYPES, fast_unroll
+
+    return [Variant(fast_variant_name(d, g, dt), fast_decode_kernel(d, g, dt).py_func, fast_signature(dt),
+                    {"head_dim": d, "group": g, "kv_dtype": dt, "unroll": fast_unroll(g, dt)})
+            for dt in FAST_KV_DTYPES + FAST_QUANT_DTYPES for d in FAST_HEAD_DIMS for g in FAST_GROUPS]
 
 
 def _ptxas(ptx: str, cc: tuple[int, int]) -> Optional[str]:
@@ -186,17 +201,22 @@ def _ptxas(ptx: str, cc: tuple[int, int]) -> Optional[str]:
 
 
 def compile_all(cc: tuple[int, int] = (9, 0), fast_only: bool = False,
-                only: Optional[set[str]] = None) -> list[PtxResult]:
-    """Compile the variants for ``cc`` (``only``: those names); raises on any compile or assemble error."""
+                only: Optional[set[str]] = None, echo: bool = False) -> list[PtxResult]:
+    """Compile the variants for ``cc`` (``only``: those names); raises on any compile or assemble
+    error. ``echo``: print each variant's JSON row as soon as it is done."""
     from numba import cuda
 
     ensure_toolchain(cc)
     variants = _fast_variants() if fast_only else _reference_variants() + _quant_variants() + _fast_variants()
     results = []
     for variant in variants:
-        if only is None or variant.name in only:
+        if only is None or variant.name in only:  # (building a variant's dispatcher compiles nothing)
+            start = time.perf_counter()
             ptx, _ = cuda.compile_ptx(variant.func, variant.signature, cc=cc)
-            results.append(PtxResult(variant, ptx, _ptxas(ptx, cc)))
+            info = _ptxas(ptx, cc)
+            results.append(PtxResult(variant, ptx, info, time.perf_counter() - start))
+            if echo:
+                print(json.dumps(results[-1].row()), flush=True)
     return results
 
 
@@ -213,6 +233,22 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _parallel_rows(names: list[str], jobs: int) -> list[dict]:
+    """The rows of ``names``, compiled by ``jobs`` child processes (``--only`` each), in order."""
+    chunks = [names[i::jobs] for i in range(jobs) if names[i::jobs]]
+    flags = ["-P"] if sys.flags.safe_path else []
+    procs = [subprocess.Popen([sys.executable, *flags, "-m", "kvpage.cuda.ptx_check", "--json", "--only",
+                               ",".join(chunk)], stdout=subprocess.PIPE, text=True) for chunk in chunks]
+    found = {}
+    for proc in procs:
+        out, _ = proc.communicate()
+        if proc.returncode:
+            raise RuntimeError(f"a ptx_check job exited {proc.returncode}")
+        rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        found.update((row["name"], row) for row in rows)
+    return [found[name] for name in names]
+
+
 def main(argv: list[str]) -> int:
     """Print the report (see the module docstring); a missing toolkit prints a skip line."""
     as_json = "--json" in argv
@@ -222,11 +258,16 @@ def main(argv: list[str]) -> int:
         print(json.dumps({"skip": str(exc)}) if as_json else f"SKIP: {exc}")
         return 0
     only = set(argv[argv.index("--only") + 1].split(",")) if "--only" in argv else None
-    rows = []
-    for res in compile_all(fast_only="--fast" in argv, only=only):
-        rows.append(res.row())
-        if as_json:
-            print(json.dumps(rows[-1]), flush=True)
+    jobs = int(argv[argv.index("--jobs") + 1]) if "--jobs" in argv else 1
+    if jobs > 1:
+        fast = _fast_variants()
+        variants = fast if "--fast" in argv else _reference_variants() + _quant_variants() + fast
+        rows = _parallel_rows([v.name for v in variants if only is None or v.name in only], jobs)
+    else:
+        rows = [res.row() for res in compile_all(fast_only="--fast" in argv, only=only, echo=as_json)]
+    if as_json and jobs > 1:
+        for row in rows:
+            print(json.dumps(row), flush=True)
     if not as_json:
         print(format_table(rows))
     return 0

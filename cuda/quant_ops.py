@@ -5,8 +5,8 @@ uint8 buffer ``[num_blocks, block_bytes]`` per layer and K/V (``KVFormat.buffer_
 its logical shape ``[num_blocks, block_size, H_kv, head_dim]`` follows from the format, the
 block size and the head size (``CacheFormat.logical_shape``). ``store_kv`` quantizes rows into
 it (``quant_store``); ``paged_attention`` reads it through the reference kernels, which
-dequantize each element as they load it (``quant_load``). The fast decode kernel reads
-fp16/bf16 caches only.
+dequantize each element as they load it (``quant_load``). int8/fp8 decodes with float16 q take
+the fast kernel (``fast_dispatch``, ``fast_rows``); int4 stays on the reference kernels.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import numpy as np
 
 from kvpage.core.kv_formats import CacheFormat
 
-from .fast_dispatch import DECODE_KERNELS, dtype_name
+from .fast_dispatch import dtype_name
 from .interop import as_kernel_arg, simulator_enabled
 from .launch_args import meta_arg
 
@@ -84,13 +84,3 @@ def store_quantized(key_cache: Any, value_cache: Any, k: Any, v: Any, slot_mappi
     blocks = min(-(-rows // threads), 1 << 20)
     quant_store_kernel(fmt.kv_format.name, head_dim)[blocks, threads, stream](
         *args, meta_arg(slot_mapping, np.int64, stream), block_size)
-
-
-def check_decode_mode(mode: str, fmt: CacheFormat) -> None:
-    """A quantized cache's decodes take the reference kernel: ``"auto"`` and ``"reference"``
-    choose it, ``"fast"`` is a ValueError."""
-    if mode not in DECODE_KERNELS:
-        raise ValueError(f"decode_kernel must be one of {DECODE_KERNELS}, got {mode!r}")
-    if mode == "fast":
-        raise ValueError(f"the fast decode kernel reads fp16/bf16 KV only; kv_cache_dtype {fmt.kv_format.name} "
-                         "decodes on the reference kernel (decode_kernel='auto' or 'reference')")

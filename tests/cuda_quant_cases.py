@@ -14,6 +14,13 @@ Importing this file (to list ``CASES``) imports neither numba nor the kernels.
   (int4's ``code * scale + min`` may fuse into one FMA on a GPU, not in the simulator), then
   run the unquantized path's float32 arithmetic; so the tolerance is the unquantized cases'
   (``cuda_sim_cases.TOL``: summation order only, and float16 rounding of a float16 output).
+* Fast decode kernel (int8, fp8; ``decode_kernel="fast"``, float16 q): its row reader turns
+  every code byte and scale into exactly ``dequantize_rows``' value (``check_code_values``:
+  the reader's loads, byte permutes and bit patterns run as the PTX instructions define them),
+  and whole decodes (tiling, split-K with the folded merge, windows, softcap, sinks, scales
+  folded into scores and weights) match the oracle. The scale multiplies a dot product
+  instead of each element, one more fp32 rounding per score and weight: within the same
+  tolerance, which is dominated by the float16 output.
 """
 from __future__ import annotations
 
@@ -26,6 +33,8 @@ from typing import Callable
 import numpy as np
 
 FORMATS = ("fp8_e4m3", "fp8_e5m2", "int8", "int4")
+#: The formats the fast decode kernel reads.
+FAST_FORMATS = ("int8", "fp8_e4m3", "fp8_e5m2")
 TOL = {np.float32: dict(rtol=1e-5, atol=1e-5), np.float16: dict(rtol=2e-3, atol=1e-3)}
 THREADS = 16
 
@@ -116,10 +125,12 @@ def _quantized_cache(values: np.ndarray, cf) -> np.ndarray:
 
 def check_attention(name: str, shapes: list, num_heads: int, num_kv_heads: int, head_dim: int, dtype=np.float32,
                     block_size: int = 4, seed: int = 0, sliding_window=None, softcap=None, with_sinks=False,
-                    to_device=lambda x: x, tol=None, **kernel_kwargs) -> str:
+                    to_device=lambda x: x, tol=None, spread: float = 0.0, **kernel_kwargs) -> str:
     """``paged_attention`` over a quantized cache vs the oracle on the dequantized cache.
     ``shapes``: per sequence (query length, context length); ``to_device`` as ``check_store``;
-    ``tol``: ``assert_allclose``'s (default ``TOL[dtype]``)."""
+    ``tol``: ``assert_allclose``'s (default ``TOL[dtype]``); ``spread``: each V row is scaled
+    by ``10**u``, ``u`` uniform in ``[-spread, spread]``, each K row by a quarter of that range
+    (row scales far apart, scores not so far that one key takes all the weight)."""
     from kvpage.attention.reference import paged_attention_reference
     from kvpage.cuda import paged_attention
 
@@ -135,8 +146,10 @@ def check_attention(name: str, shapes: list, num_heads: int, num_kv_heads: int, 
     for i, n in enumerate(per_seq.tolist()):
         tables[i, :n] = perm[starts[i]:starts[i] + n]
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    kc = _quantized_cache(rng.standard_normal(shape).astype(np.float32), cf)
-    vc = _quantized_cache((rng.standard_normal(shape) * 2).astype(np.float32), cf)
+    row_scale = 10.0 ** (rng.uniform(-spread, spread, (2, *shape[:3], 1)) * np.array([0.25, 1.0])[:, None, None, None,
+                                                                                                      None])
+    kc = _quantized_cache((rng.standard_normal(shape) * row_scale[0]).astype(np.float32), cf)
+    vc = _quantized_cache((rng.standard_normal(shape) * 2 * row_scale[1]).astype(np.float32), cf)
     meta = dict(query_start_loc=np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32), seq_lens=seq_lens,
                 block_tables=tables)
     q = rng.standard_normal((int(q_lens.sum()), num_heads, head_dim)).astype(dtype)
@@ -197,7 +210,9 @@ def check_errors() -> str:
     failures = []
     for call, want in (
             (lambda: paged_attention(q, buf, buf, *meta, 1.0, cache_format=cf, decode_kernel="fast"),
-             "the fast decode kernel reads fp16/bf16 KV only"),
+             "q must be float16 for the fast kernel over int8 caches"),
+            (lambda: paged_attention(q.astype(np.float16), buf, buf, *meta, 1.0, cache_format=cf, decode_kernel="fast"),
+             "no fast variant for head_dim 16"),
             (lambda: paged_attention(q, buf.astype(np.int8), buf, *meta, 1.0, cache_format=cf), "uint8"),
             (lambda: paged_attention(q, buf[:, :-1], buf[:, :-1], *meta, 1.0, cache_format=cf), "does not hold"),
             (lambda: store_kv(buf, buf, q.astype(np.float64), q, np.zeros(1, np.int64), cf), "float16 or float32"),
@@ -210,6 +225,68 @@ def check_errors() -> str:
                 failures.append(f"{want!r} not in {exc}")
     assert not failures, failures
     return "ok"
+
+
+def _code_block(name: str, head_dim: int, block_size: int) -> tuple:
+    """One block of one head, ``(buffer, codes, scales)``: every code byte in every row position
+    (rows rotate a 0..255 ramp), with scales at the format's extremes."""
+    from kvpage.core.kv_formats import KVFormat
+
+    fmt = KVFormat(name)
+    codes = ((np.arange(head_dim)[None, :] + 97 * np.arange(block_size)[:, None]) % 256).astype(np.uint8)
+    if name == "int8":  # fp16 scales: subnormal, smallest normal, 1, largest, zero, ordinary
+        bits = np.resize(np.array([0x0001, 0x03FF, 0x0400, 0x3C00, 0x7BFF, 0x0000, 0x2E66, 0x1234], np.uint16),
+                         block_size)
+        scales = bits.view(np.uint8).reshape(block_size, 2)
+    else:  # signed exponents, down to a subnormal 2**-127 and up to the largest finite E5M2 row
+        scales = np.resize(np.array([-127, -126, -9, 0, 7, 60, 112, -3], np.int8), block_size).view(np.uint8)
+        scales = scales.reshape(block_size, 1)
+    buf = np.concatenate([codes.reshape(1, -1), scales.reshape(1, -1)], axis=1)
+    assert buf.shape == fmt.buffer_shape(1, block_size, 1, head_dim)
+    return buf, codes, scales
+
+
+def check_code_values(name: str, head_dim: int = 64, block_size: int = 8) -> str:
+    """The fast kernel's row reader (``fast_rows``: 8-byte code loads, the scale load, byte
+    permutes, bit patterns) in a simulator kernel, one lane per 8 elements as in the decode
+    kernel: every code byte times every scale must be ``dequantize_rows``' value, bit for bit
+    (each is exact up to one rounding of the product, the same one ``np.ldexp``/the multiply
+    makes). Codes the encoder never writes (fp8 NaN/inf) are skipped."""
+    from numba import cuda as numba_cuda, float32
+
+    from kvpage.core.kv_formats import KVFormat
+    from kvpage.cuda.fast_rows import row_reader
+
+    globals()["cuda"] = numba_cuda  # the simulator swaps a kernel's *global* ``cuda`` for its own
+    from kvpage.kernels import kv_quant
+
+    buf, codes, scales = _code_block(name, head_dim, block_size)
+    rd = row_reader(name, head_dim, simulate=True)
+    lanes, adj = head_dim // 8, rd.k_adj
+
+    @cuda.jit
+    def kernel(cache, out, sizes):
+        t = cuda.threadIdx.x
+        row, part = t // lanes, t % lanes
+        f8 = cuda.local.array(8, float32)
+        bs = rd.block_size(cache, 1)
+        w0, w1, w2, w3, sraw = rd.load(cache, 0, row, 0, 1, bs, part)
+        rd.unpack8(w0, w1, w2, w3, f8)
+        s = rd.scale(sraw)
+        for e in range(8):
+            out[row, part * 8 + e] = (f8[e] * float32(adj)) * s
+        sizes[t] = bs
+
+    out = np.full((block_size, head_dim), np.nan, np.float32)
+    sizes = np.zeros(block_size * lanes, np.int32)
+    kernel[1, block_size * lanes](buf, out, sizes)
+    want = kv_quant.dequantize_rows(codes, scales, KVFormat(name))
+    assert (sizes == block_size).all(), sizes
+    ok = np.isfinite(want)
+    assert ok.sum() >= block_size * head_dim * 0.9
+    bad = np.argwhere(out[ok].view(np.uint32) != want[ok].view(np.uint32))
+    assert bad.size == 0, f"{len(bad)} values differ, e.g. {out[ok][bad[:3, 0]]} vs {want[ok][bad[:3, 0]]}"
+    return f"exact ({int(ok.sum())} values, {len(np.unique(codes[ok]))} codes)"
 
 
 EDGE_LENS = [1, 3, 4, 5, 14]
@@ -237,6 +314,22 @@ CASES.update({
     "mixed_int8_block_size_3": lambda: check_attention("int8", [(1, 5), (1, 7), (4, 8)], 4, 2, 16, block_size=3,
                                                        seed=4, num_splits=3, kv_tile=2, **SIM),
     "errors": check_errors,
+})
+FAST = dict(decode_kernel="fast", **SIM)  # the prefill rows (if any) run the reference kernel
+for _fmt in FAST_FORMATS:
+    CASES[f"fast_codes_{_fmt}"] = lambda f=_fmt: check_code_values(f)
+CASES.update({
+    # Block sizes keep block_bytes a multiple of 8 (the 8-byte code loads). A block covers 32
+    # (head_dim 64) or 16 (128) keys per round of its 4 warps (8 steps at group 1, 4 else).
+    "fast_int8_g4_d64_splitk": lambda: check_attention("int8", [(1, 70), (1, 9)], 8, 2, 64, np.float16, seed=6,
+                                                       num_splits=2, **FAST),
+    "fast_fp8_e4m3_g1_d128_window_cap_sinks": lambda: check_attention(
+        "fp8_e4m3", [(1, 100), (1, 3)], 2, 2, 128, np.float16, block_size=8, seed=7, sliding_window=50, softcap=5.0,
+        with_sinks=True, num_splits=3, **FAST),
+    "fast_fp8_e5m2_g8_d64_one_split_spread": lambda: check_attention(
+        "fp8_e5m2", [(1, 45), (1, 17)], 8, 1, 64, np.float16, block_size=16, seed=8, spread=2.0, num_splits=1, **FAST),
+    "fast_int8_g1_d128_mixed_spread": lambda: check_attention(
+        "int8", [(1, 40), (1, 5), (3, 9)], 1, 1, 128, np.float16, seed=9, spread=1.5, kv_tile=4, **FAST),
 })
 
 

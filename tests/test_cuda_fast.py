@@ -8,7 +8,8 @@
   softcap, sinks, fp16 and bf16, block sizes that do and do not divide a warp's keys); and
   ``kvpage.cuda.paged_attention(..., decode_kernel="fast")`` end to end on mixed batches
   (decodes + prefills: bit views, splits, the reused scratch and counters, the merge).
-* PTX/ptxas of every variant: ``tests/test_cuda_ptx.py`` (one compile per variant).
+* PTX/ptxas: ``tests/test_cuda_ptx.py`` (the variants that decide each rule); the variants over
+  int8/fp8 caches (``fast_rows``): ``tests/test_cuda_quant.py`` and ``cuda_quant_cases.py``.
 * Real GPU (``gpu`` marker, skipped without CuPy and a device): realistic shapes.
 """
 from __future__ import annotations
@@ -66,6 +67,18 @@ def test_split_sizing_target_shape() -> None:
 
 def test_register_budgets() -> None:
     assert [register_budget(g) for g in (1, 4, 8)] == [128, 168, 255]
+
+
+@pytest.mark.parametrize("group", sorted(FAST_BLOCKS_PER_SM))
+def test_8bit_steps_keep_loads_in_flight(group: int) -> None:
+    """An 8-bit row slice is half a 16-bit one (8 bytes, plus its scale): its variants take at
+    least as many steps per iteration, so no fewer rows (at most as many bytes) are in flight."""
+    from kvpage.cuda.fast_launch import FAST_QUANT_DTYPES, fast_supported, fast_unroll
+
+    for dt in FAST_QUANT_DTYPES:
+        assert fast_supported(128, group, dt) and fast_supported(64, group, dt)
+        assert fast_unroll(group, "fp16") <= fast_unroll(group, dt) <= 2 * fast_unroll(group, "fp16")
+    assert not fast_supported(128, group, "int4")
 
 
 # --- Simulator: the kernel itself on tiny batches (this file as a script) ---

@@ -7,9 +7,13 @@
 * PTX (one subprocess, no simulator): the quantized store, decode and prefill variants compile
   for sm_90 (typing and lowering errors the simulator hides), with no fp64 arithmetic, no
   spills, and the store and decode kernels without a stack frame.
-* Here: the launch-side checks that need no kernel.
+* Here: the launch-side checks that need no kernel, and which decode kernel a call gets
+  (int8/fp8 with float16 q: the fast kernel under ``"auto"`` outside the simulator; int4,
+  float32 q, other head sizes and unaligned blocks: the reference kernel).
 * Real GPU (``gpu`` marker, skipped without CuPy and a device): the same checks with CuPy
-  arrays at a real model's shapes (head_dim 128, block_size 16, GQA 4, contexts up to ~2k).
+  arrays at a real model's shapes (head_dim 128, block_size 16, GQA 4, contexts up to ~2k),
+  and the fast kernel on int8/fp8 caches against the oracle and the reference kernel.
+The fast kernel's PTX (8-byte code loads, registers) is checked in ``test_cuda_ptx.py``.
 """
 from __future__ import annotations
 
@@ -86,17 +90,52 @@ def test_quantized_variant_compiles_for_sm90(results: dict, name: str) -> None:
         assert row["stack_bytes"] == 0, row["ptxas"]
 
 
-def test_fast_decode_refuses_quantized_caches() -> None:
+def _decode_choice(name: str, mode: str, q_dtype=np.float16, head_dim: int = 128, block_size: int = 16,
+                   kv_heads: int = 2, group: int = 4) -> bool:
+    """``fast_dispatch.use_fast_decode`` for host arrays of a quantized cache (nothing launches)."""
     from kvpage.core.kv_formats import CacheFormat, KVFormat
-    from kvpage.cuda.quant_ops import check_decode_mode, quantized
+    from kvpage.cuda.fast_dispatch import use_fast_decode
 
-    fmt = CacheFormat(KVFormat("fp8_e5m2"), 16)
-    with pytest.raises(ValueError, match="the fast decode kernel reads fp16/bf16 KV only; kv_cache_dtype fp8_e5m2"):
-        check_decode_mode("fast", fmt)
+    fmt = CacheFormat(KVFormat(name), block_size)
+    buf = np.zeros(fmt.kv_format.buffer_shape(3, block_size, kv_heads, head_dim), np.uint8)
+    q = np.zeros((2, kv_heads * group, head_dim), q_dtype)
+    return use_fast_decode(mode, q, buf, buf, head_dim, group, False, fmt)
+
+
+@pytest.mark.parametrize("name", CASES.FAST_FORMATS)
+def test_auto_picks_the_fast_kernel_for_8bit_caches(name: str) -> None:
+    from kvpage.cuda.interop import simulator_enabled
+
+    if simulator_enabled():
+        pytest.skip("under the simulator 'auto' takes the reference kernel")
+    for group, head_dim in ((1, 64), (4, 128), (8, 128)):
+        assert _decode_choice(name, "auto", group=group, head_dim=head_dim)
+        assert _decode_choice(name, "fast", group=group, head_dim=head_dim)
+    assert not _decode_choice(name, "reference")
+    assert not _decode_choice(name, "auto", q_dtype=np.float32)  # float32 q: the reference kernel
+    assert not _decode_choice(name, "auto", head_dim=96)
+
+
+@pytest.mark.parametrize("name,over,match", [
+    ("int4", {}, "no fast variant for kv_cache_dtype int4"),
+    ("int8", dict(q_dtype=np.float32), "q must be float16 for the fast kernel over int8 caches"),
+    ("fp8_e4m3", dict(head_dim=96), "no fast variant for head_dim 96"),
+    ("fp8_e5m2", dict(group=2), "group 2"),
+    ("fp8_e4m3", dict(block_size=3, kv_heads=1), "block of 387 bytes is not a multiple of 8"),
+])
+def test_fast_mode_says_why_not_for_quantized_caches(name: str, over: dict, match: str) -> None:
+    assert not _decode_choice(name, "auto", **over)
+    with pytest.raises(ValueError, match=match):
+        _decode_choice(name, "fast", **over)
+
+
+def test_decode_kernel_mode_and_format_checks() -> None:
+    from kvpage.core.kv_formats import CacheFormat, KVFormat
+    from kvpage.cuda.quant_ops import quantized
+
     with pytest.raises(ValueError, match="decode_kernel must be one of"):
-        check_decode_mode("quick", fmt)
-    check_decode_mode("auto", fmt)
-    check_decode_mode("reference", fmt)
+        _decode_choice("int8", "quick")
+    fmt = CacheFormat(KVFormat("fp8_e5m2"), 16)
     assert quantized(fmt) is fmt
     assert quantized(CacheFormat(KVFormat("float16"), 16)) is None and quantized(None) is None
     with pytest.raises(ValueError, match="CacheFormat"):
@@ -135,3 +174,20 @@ def test_quantized_attention_on_gpu(name: str, dtype) -> None:
                               tol=GPU_TOL[dtype], num_splits=splits)
     CASES.check_attention(name, [(1, 900), (9, 40)], 32, 8, 128, dtype, block_size=16, seed=1, sliding_window=256,
                           softcap=30.0, with_sinks=True, to_device=_cupy_array, tol=GPU_TOL[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_GPU_REASON is not None, reason=_GPU_REASON or "")
+@pytest.mark.parametrize("name,group,head_dim", [("int8", 4, 128), ("fp8_e4m3", 8, 128), ("fp8_e5m2", 1, 64),
+                                                 ("fp8_e4m3", 4, 128), ("int8", 8, 64)])
+def test_fast_quantized_decode_on_gpu(name: str, group: int, head_dim: int) -> None:
+    """The fast kernel (``decode_kernel="fast"``) on real 8-bit caches against the oracle, with
+    split-K sized from the SM count and with one split (``benchmarks/gpu_check_report.py``
+    compares it with the reference kernel at batch 32)."""
+    decodes = [(1, n) for n in (1, 15, 16, 17, 700, 2049, 4100, 129)]
+    common = dict(block_size=16, to_device=_cupy_array, tol=GPU_TOL[np.float16])
+    for splits in (None, 1):
+        CASES.check_attention(name, decodes, 4 * group, 4, head_dim, np.float16, seed=group, decode_kernel="fast",
+                              num_splits=splits, **common)
+    CASES.check_attention(name, decodes, 4 * group, 4, head_dim, np.float16, seed=3, sliding_window=512,
+                          softcap=30.0, with_sinks=True, spread=2.0, decode_kernel="fast", **common)
