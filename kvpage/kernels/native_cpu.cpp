@@ -896,6 +896,10 @@ void row_argmax(const float* x, int64_t cols, float* out_max, int64_t* out_idx) 
   *out_idx = _mm512_reduce_min_epi32(_mm512_mask_mov_epi32(big, ties, best_idx));
 }
 
+// Lane i: the sum of v[i]'s lanes, for the quantized kernels (native_cpu_quant.h).
+inline __m512 reduce_lanes(const __m512* v) { return reduce16(v); }
+
 }  // namespace
 
+#include "native_cpu_quant.h"
 #include "native_cpu_api.h"

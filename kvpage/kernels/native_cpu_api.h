@@ -1,13 +1,30 @@
 // kvpage native CPU kernels: the C interface, the same for every instruction-set variant.
 // Included last by each variant (see native_cpu_common.h); the contract of every entry point
 // is documented in native_cpu.py.
+//
+// `cache_format` is a native_cpu.CACHE_FORMATS code: the element type itself (0-2, the caches
+// hold q's element type, laid out [num_blocks, block_size, H_kv, D]) or a quantized format
+// (3-6, uint8 [num_blocks, block_bytes] buffers, native_cpu_quant.h).
 
 #pragma once
+
+namespace {
+
+// 0 where the caches hold elem_type values, 1 where they are quantized (L filled in), -2 for a
+// cache format the kernels do not take with this element type and these shapes.
+inline int cache_kind(int elem_type, int cache_format, int64_t block_size, int64_t heads, int64_t head_dim,
+                      QuantLayout* L) {
+  if (elem_type < kF32 || elem_type > kBF16) return -2;
+  if (cache_format == elem_type) return 0;
+  return make_quant_layout(cache_format, block_size, heads, head_dim, L) ? 1 : -2;
+}
+
+}  // namespace
 
 extern "C" {
 
 // Version of this C interface; native_cpu.py refuses a library that differs.
-int kvpage_native_abi() { return 6; }
+int kvpage_native_abi() { return 7; }
 
 // 1 when bf16 prefill attention of this head size runs on the AMX tile unit here (the CPU
 // has it, the kernel was built for it, Linux granted the tile state, KVPAGE_AMX is not 0).
@@ -15,14 +32,17 @@ int kvpage_prefill_uses_amx(int elem_type, int64_t head_dim) { return prefill_on
 
 // Paged decode attention (see native_cpu.decode_attention). Returns 0, or a negative code
 // for shapes this kernel does not take (the caller checks them first).
-int kvpage_decode_attention(int elem_type, const void* q, int64_t q_stride_token, int64_t q_stride_head,
-                            const void* key_cache, const void* value_cache, int64_t block_size,
+int kvpage_decode_attention(int elem_type, int cache_format, const void* q, int64_t q_stride_token,
+                            int64_t q_stride_head, const void* key_cache, const void* value_cache, int64_t block_size,
                             int64_t num_kv_heads, int64_t head_dim, int64_t num_heads, const int32_t* block_tables,
                             int64_t table_stride, const int32_t* seq_lens, int64_t num_seqs, float scale,
                             int64_t window, float softcap, const float* sinks, void* out, int64_t num_splits,
                             int num_threads) {
   if (head_dim % 16 || head_dim > 16 * kMaxChunks || num_kv_heads <= 0 || num_heads % num_kv_heads || num_splits < 1)
     return -1;
+  QuantLayout layout;
+  const int kind = cache_kind(elem_type, cache_format, block_size, num_kv_heads, head_dim, &layout);
+  if (kind < 0) return kind;
   std::vector<float> part_acc, part_stats;
   if (num_splits > 1) {
     part_acc.resize(num_seqs * num_heads * num_splits * head_dim);
@@ -31,6 +51,14 @@ int kvpage_decode_attention(int elem_type, const void* q, int64_t q_stride_token
   DecodeArgs a{{q, q_stride_token, q_stride_head, key_cache, value_cache, block_size, num_kv_heads, head_dim,
                 num_heads, block_tables, table_stride, seq_lens, scale, window, softcap, sinks, out},
                num_seqs, num_splits, part_acc.data(), part_stats.data()};
+  if (kind == 1) {
+    switch (elem_type) {
+      case kF32: quant_decode<kF32>(a, layout, num_threads); break;
+      case kF16: quant_decode<kF16>(a, layout, num_threads); break;
+      default: quant_decode<kBF16>(a, layout, num_threads); break;
+    }
+    return 0;
+  }
   switch (elem_type) {
     case kF32: decode_typed<kF32>(a, num_threads); break;
     case kF16: decode_typed<kF16>(a, num_threads); break;
@@ -59,19 +87,44 @@ int64_t kvpage_store_rows(void* cache, int64_t num_slots, int64_t num_kv_heads, 
   return 0;
 }
 
+// The quantized store: cache rows of slots[t] = rows[t] for t < n in `cache_format` (3-6),
+// rows [n, H_kv, D] of rows_type elements (token and head strides in elements, D contiguous),
+// byte for byte kv_quant.quantize_rows of the rows widened to fp32. Every slot is checked
+// before anything is written: returns 0, 1 + the index of the first slot outside the cache,
+// -1 for a format or head size it does not take, -2 for a row type it does not take.
+int64_t kvpage_store_quantized(int cache_format, void* cache, int64_t num_blocks, int64_t block_size,
+                               int64_t num_kv_heads, int64_t head_dim, int rows_type, const void* rows,
+                               int64_t stride_token, int64_t stride_head, const int64_t* slots, int64_t n) {
+  QuantLayout layout;
+  if (!make_quant_layout(cache_format, block_size, num_kv_heads, head_dim, &layout)) return -1;
+  if (rows_type < kF32 || rows_type > kBF16) return -2;
+  for (int64_t t = 0; t < n; ++t)
+    if (slots[t] < 0 || slots[t] >= num_blocks * block_size) return t + 1;
+  quantize_rows_any(rows_type, static_cast<uint8_t*>(cache), layout, rows, stride_token, stride_head, slots, n);
+  return 0;
+}
+
 // Scatter n new K/V rows ([n, H_kv, D] at k/v, token and head strides in elements, D
 // contiguous) into the caches' slots, then decode attention; the write is skipped when k is
-// null (a layer reading another layer's KV). Returns 0, a negative code as above, or 1 + the
-// index of the first slot outside the cache (nothing is then written or attended).
-int64_t kvpage_write_decode(int elem_type, const void* q, int64_t q_stride_token, int64_t q_stride_head,
-                            const void* k, int64_t k_stride_token, int64_t k_stride_head, const void* v,
-                            int64_t v_stride_token, int64_t v_stride_head, const int64_t* slots, int64_t num_new,
-                            void* key_cache, void* value_cache, int64_t num_blocks, int64_t block_size,
-                            int64_t num_kv_heads, int64_t head_dim, int64_t num_heads, const int32_t* block_tables,
-                            int64_t table_stride, const int32_t* seq_lens, int64_t num_seqs, float scale,
-                            int64_t window, float softcap, const float* sinks, void* out, int64_t num_splits,
-                            int num_threads) {
-  if (k != nullptr) {
+// null (a layer reading another layer's KV); a quantized cache_format quantizes them as
+// kvpage_store_quantized. Returns 0, a negative code as above, or 1 + the index of the first
+// slot outside the cache (nothing is then written or attended).
+int64_t kvpage_write_decode(int elem_type, int cache_format, const void* q, int64_t q_stride_token,
+                            int64_t q_stride_head, const void* k, int64_t k_stride_token, int64_t k_stride_head,
+                            const void* v, int64_t v_stride_token, int64_t v_stride_head, const int64_t* slots,
+                            int64_t num_new, void* key_cache, void* value_cache, int64_t num_blocks,
+                            int64_t block_size, int64_t num_kv_heads, int64_t head_dim, int64_t num_heads,
+                            const int32_t* block_tables, int64_t table_stride, const int32_t* seq_lens,
+                            int64_t num_seqs, float scale, int64_t window, float softcap, const float* sinks,
+                            void* out, int64_t num_splits, int num_threads) {
+  if (k != nullptr && cache_format != elem_type) {
+    const int64_t bad = kvpage_store_quantized(cache_format, key_cache, num_blocks, block_size, num_kv_heads, head_dim,
+                                               elem_type, k, k_stride_token, k_stride_head, slots, num_new);
+    if (bad > 0) return bad;
+    if (bad < 0) return -2;
+    kvpage_store_quantized(cache_format, value_cache, num_blocks, block_size, num_kv_heads, head_dim, elem_type, v,
+                           v_stride_token, v_stride_head, slots, num_new);
+  } else if (k != nullptr) {
     const int64_t elem = elem_type == kF32 ? 4 : 2, num_slots = num_blocks * block_size;
     const int64_t bad = kvpage_store_rows(key_cache, num_slots, num_kv_heads, head_dim, elem, k, k_stride_token,
                                           k_stride_head, slots, num_new);
@@ -79,23 +132,26 @@ int64_t kvpage_write_decode(int elem_type, const void* q, int64_t q_stride_token
     kvpage_store_rows(value_cache, num_slots, num_kv_heads, head_dim, elem, v, v_stride_token, v_stride_head, slots,
                       num_new);
   }
-  return kvpage_decode_attention(elem_type, q, q_stride_token, q_stride_head, key_cache, value_cache, block_size,
-                                 num_kv_heads, head_dim, num_heads, block_tables, table_stride, seq_lens, num_seqs,
-                                 scale, window, softcap, sinks, out, num_splits, num_threads);
+  return kvpage_decode_attention(elem_type, cache_format, q, q_stride_token, q_stride_head, key_cache, value_cache,
+                                 block_size, num_kv_heads, head_dim, num_heads, block_tables, table_stride, seq_lens,
+                                 num_seqs, scale, window, softcap, sinks, out, num_splits, num_threads);
 }
 
 // Attention of the query rows of sequences first_seq .. num_seqs - 1 (each the last q_len
 // positions of its context, causal, optional sliding window / softcap / sinks) into the
 // same rows of out; rows of earlier sequences are left alone. Returns 0 or a negative code.
-int kvpage_prefill_attention(int elem_type, const void* q, int64_t q_stride_token, int64_t q_stride_head,
-                             const void* key_cache, const void* value_cache, int64_t block_size,
+int kvpage_prefill_attention(int elem_type, int cache_format, const void* q, int64_t q_stride_token,
+                             int64_t q_stride_head, const void* key_cache, const void* value_cache, int64_t block_size,
                              int64_t num_kv_heads, int64_t head_dim, int64_t num_heads, const int32_t* block_tables,
                              int64_t table_stride, const int32_t* query_start_loc, const int32_t* seq_lens,
                              int64_t first_seq, int64_t num_seqs, float scale, int64_t window, float softcap,
                              const float* sinks, void* out, int num_threads) {
   if (head_dim % 16 || head_dim > 16 * kMaxChunks || num_kv_heads <= 0 || num_heads % num_kv_heads || block_size <= 0)
     return -1;
-  const int64_t tile = prefill_query_tile(elem_type, head_dim);
+  QuantLayout layout;
+  const int kind = cache_kind(elem_type, cache_format, block_size, num_kv_heads, head_dim, &layout);
+  if (kind < 0) return kind;
+  const int64_t tile = kind == 1 ? kQuantQueryTile : prefill_query_tile(elem_type, head_dim);
   std::vector<PrefillItem> items;
   for (int64_t i = first_seq; i < num_seqs; ++i) {
     const int64_t q_len = query_start_loc[i + 1] - query_start_loc[i];
@@ -107,6 +163,14 @@ int kvpage_prefill_attention(int elem_type, const void* q, int64_t q_stride_toke
   PrefillArgs a{{q, q_stride_token, q_stride_head, key_cache, value_cache, block_size, num_kv_heads, head_dim,
                  num_heads, block_tables, table_stride, seq_lens, scale, window, softcap, sinks, out},
                 query_start_loc};
+  if (kind == 1) {
+    switch (elem_type) {
+      case kF32: quant_prefill<kF32>(a, layout, items, num_threads); break;
+      case kF16: quant_prefill<kF16>(a, layout, items, num_threads); break;
+      default: quant_prefill<kBF16>(a, layout, items, num_threads); break;
+    }
+    return 0;
+  }
   switch (elem_type) {
     case kF32: prefill_typed<kF32>(a, items, num_threads); break;
     case kF16: prefill_typed<kF16>(a, items, num_threads); break;

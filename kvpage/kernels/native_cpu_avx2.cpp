@@ -403,6 +403,10 @@ void row_argmax(const float* x, int64_t cols, float* out_max, int64_t* out_idx) 
   *out_idx = at;
 }
 
+// Lane i: the sum of v[i]'s lanes, for the quantized kernels (native_cpu_quant.h).
+inline __m256 reduce_lanes(const __m256* v) { return reduce8(v); }
+
 }  // namespace
 
+#include "native_cpu_quant.h"
 #include "native_cpu_api.h"
