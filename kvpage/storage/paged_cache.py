@@ -26,6 +26,7 @@ from typing import Any, Optional
 import numpy as np
 
 from kvpage.core.kv.kv_groups import KVCacheGroups
+from kvpage.platform.huge_pages import advise_huge_pages
 from kvpage.core.kv_formats import CacheFormat, KVFormat
 from kvpage.storage.spec import KVCacheSpec, LayerKVSpec
 
@@ -74,9 +75,16 @@ class PagedKVCache:
     def _zeros(self, shape: tuple) -> Any:
         dtype = self.spec.kv_format.storage_dtype
         if self.backend == "torch":
-            return self._xp.zeros(shape, dtype=getattr(self._xp, dtype))
+            buf = self._xp.empty(shape, dtype=getattr(self._xp, dtype))
+            advise_huge_pages(buf.data_ptr(), buf.numel() * buf.element_size())  # before the first touch
+            return buf.zero_()
         if dtype == "bfloat16":
             raise ValueError(f"bfloat16 needs the torch backend ({self.backend} has no bfloat16)")
+        if self.backend == "numpy":
+            buf = np.empty(shape, dtype=dtype)
+            advise_huge_pages(buf.ctypes.data, buf.nbytes)
+            buf[...] = 0
+            return buf
         return self._xp.zeros(shape, dtype=dtype)
 
     @property
