@@ -2,7 +2,13 @@
 
 Perplexity over Python's documentation prose (``kvpage.tools.kv_quality``), scored through
 the engine so that attention reads every key and value from the cache in the format under
-test, against the model's own bf16 cache: fp8 and int8 within +0.5 %, int4 within +3 %.
+test, against the model's own cache: fp8 and int8 within +0.5 %, int4 within +3 %.
+
+The model runs in float32 here. In bf16 the network itself is chaotic at the scale of
+these bounds: the bf16 cache's prefill kernel (bf16 dot products) and the quantized
+formats' (float32 arithmetic) round differently, and one last-place difference in a
+layer's output moves the perplexity by up to 0.3 % (``docs/memory.md``). In float32 the
+difference left is the format's. ``benchmarks/bench_kv_quality.py`` reports both dtypes.
 """
 from __future__ import annotations
 
@@ -33,8 +39,8 @@ def test_text_windows_cut_whole_windows():
 
 @pytest.fixture(scope="module")
 def quality():
-    rows = measure_quality("smollm2-135m", ["auto", *BOUNDS], dtype="bfloat16", window=512, max_windows=4,
-                           max_chars=40_000, num_kv_blocks=256, max_model_len=1024, max_num_seqs=8)
+    rows = measure_quality("smollm2-135m", ["auto", *BOUNDS], dtype="float32", window=512, max_windows=4,
+                           max_chars=None, num_kv_blocks=256, max_model_len=1024, max_num_seqs=8)
     return {row.kv_cache_dtype: row for row in rows}
 
 

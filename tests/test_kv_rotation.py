@@ -17,8 +17,8 @@ from kvpage.kernels.kv_quant import block_views, dequantize_rows, quantize_rows 
 BS, HKV, H, D = 4, 2, 4, 64
 
 
-@pytest.mark.parametrize("head_dim, block", [(64, 64), (128, 64), (96, 32), (80, 16), (48, 16)])
-def test_rotation_is_symmetric_orthonormal_and_never_mixes_int4_groups(head_dim, block):
+@pytest.mark.parametrize("head_dim, block", [(64, 64), (128, 128), (256, 128), (96, 32), (80, 16), (48, 16)])
+def test_rotation_is_symmetric_orthonormal_and_block_diagonal(head_dim, block):
     r = hadamard_rotation(head_dim).astype(np.float64)
     np.testing.assert_allclose(r @ r.T, np.eye(head_dim), atol=1e-6)
     np.testing.assert_array_equal(r, r.T)

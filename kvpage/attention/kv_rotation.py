@@ -9,11 +9,11 @@ them, so the rotated row is near Gaussian and quantizes well; since ``R`` is ort
 int4 cache therefore runs on ``q R`` and rotated K/V rows, and its output is turned back
 with ``R^T`` (``R`` is symmetric, so ``R^T = R``). Rotation is per token, so stored bytes
 still depend on nothing but the token's own values. On SmolLM2-135M, int4 with the rotation
-costs about a fifth of the perplexity the same format costs without it (``docs/memory.md``).
+costs about a quarter of the perplexity the same format costs without it (``docs/memory.md``).
 
 ``R`` is block-diagonal: Sylvester Hadamard blocks of the largest power of two dividing the
-head size, at most the int4 group (:func:`kvpage.core.kv_formats.int4_group`), so a block
-never mixes two groups' channels.
+head size, at most :data:`MAX_BLOCK` (rotating across the int4 groups spreads an outlier over
+several groups' scales, which is what it is for).
 """
 from __future__ import annotations
 
@@ -21,7 +21,10 @@ import functools
 
 import numpy as np
 
-from kvpage.core.kv_formats import KVFormat, int4_group
+from kvpage.core.kv_formats import KVFormat
+
+#: The largest Hadamard block (a head of 256 is rotated as two blocks of 128).
+MAX_BLOCK = 128
 
 
 def rotates(fmt: KVFormat) -> bool:
@@ -34,7 +37,7 @@ def rotates(fmt: KVFormat) -> bool:
 def hadamard_rotation(head_dim: int) -> np.ndarray:
     """float32 ``[head_dim, head_dim]``: the symmetric orthonormal block-diagonal Hadamard ``R``."""
     block = 1
-    while head_dim % (2 * block) == 0 and 2 * block <= int4_group(head_dim):
+    while head_dim % (2 * block) == 0 and 2 * block <= MAX_BLOCK:
         block *= 2
     h = np.ones((1, 1))
     while h.shape[0] < block:

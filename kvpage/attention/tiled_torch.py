@@ -97,18 +97,21 @@ def _attend_sequence(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     block_size = cache_format.block_size
     block_lo = visible // block_size
     ids = table[block_lo: -(-seq_len // block_size)]
-    keys, values = (_window(gather_rows(cache, ids, cache_format, head_dim, q.dtype), block_lo * block_size,
+    # float32 throughout, as the oracle and the native kernels: the dequantized values are
+    # exact in float32, and rounding them to a 16-bit q's dtype would add an error the
+    # format does not have (large keys make it a large score error).
+    keys, values = (_window(gather_rows(cache, ids, cache_format, head_dim, torch.float32), block_lo * block_size,
                             visible, seq_len, key_lo, key_end) for cache in (key_cache, value_cache))
-    queries = q.new_zeros(((tile_hi - tile_lo) * TILE, num_heads, head_dim))
+    queries = q.new_zeros(((tile_hi - tile_lo) * TILE, num_heads, head_dim), dtype=torch.float32)
     offset = first - tile_lo * TILE
     queries[offset:offset + q_len] = q
-    out = q.new_empty(queries.shape)
+    out = queries.new_empty(queries.shape)
     for t in range(tile_lo, tile_hi):
         lo, hi = call.first_key(t * TILE), (t + 1) * TILE
         rows = slice((t - tile_lo) * TILE, (t - tile_lo + 1) * TILE)
         out[rows] = _attend_tile(queries[rows], keys[lo - key_lo:hi - key_lo], values[lo - key_lo:hi - key_lo],
                                  t * TILE, lo, call)
-    return out[offset:offset + q_len]
+    return out[offset:offset + q_len].to(q.dtype)
 
 
 def _window(rows: torch.Tensor, rows_start: int, visible: int, seq_len: int, key_lo: int,

@@ -73,7 +73,7 @@ inline bool make_quant_layout(int format, int64_t block_size, int64_t heads, int
   L->block_size = block_size;
   L->heads = heads;
   L->head_dim = head_dim;
-  L->group = head_dim % 64 == 0 ? 64 : head_dim % 32 == 0 ? 32 : head_dim;
+  L->group = head_dim % 32 == 0 ? 32 : head_dim;  // kv_formats.int4_group
   L->code_bytes = format == kInt4 ? head_dim / 2 : head_dim;
   L->scale_bytes = format == kInt8 ? 2 : format == kInt4 ? 4 * (head_dim / L->group) : 1;
   L->scales_at = block_size * heads * L->code_bytes;

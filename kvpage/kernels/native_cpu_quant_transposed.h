@@ -219,6 +219,8 @@ constexpr bool kTransposedScores = false;
 
 // Whether decode scores F's rows of head size D transposed.
 template <int F>
-constexpr bool transposed_scores(int64_t D) { return kTransposedScores && D % 64 == 0; }
+// int4 is not: a transposed slab's 32 code bytes (64 channels) interleave two int4 groups of
+// 32 channels, whose scales differ.
+constexpr bool transposed_scores(int64_t D) { return kTransposedScores && D % 64 == 0 && F != kInt4; }
 
 }  // namespace
