@@ -39,14 +39,15 @@ def test_text_windows_cut_whole_windows():
 
 @pytest.fixture(scope="module")
 def quality():
-    rows = measure_quality("smollm2-135m", ["auto", *BOUNDS], dtype="float32", window=512, max_windows=4,
-                           max_chars=None, num_kv_blocks=256, max_model_len=1024, max_num_seqs=8)
+    # The benchmark's sample (8 windows of 1024 tokens): smaller samples scatter by about 0.3 %.
+    rows = measure_quality("smollm2-135m", ["auto", *BOUNDS], dtype="float32", window=1024, max_windows=8,
+                           num_kv_blocks=1100, max_model_len=2048, max_num_seqs=8)
     return {row.kv_cache_dtype: row for row in rows}
 
 
 @pytest.mark.parametrize("name", sorted(BOUNDS))
 def test_perplexity_within_the_formats_bound(quality, name):
     base, row = quality["auto"], quality[name]
-    assert row.tokens == base.tokens > 1500
+    assert row.tokens == base.tokens > 8000
     assert 1.0 < base.perplexity < 100.0  # the model reads English: a sane perplexity
     assert row.perplexity <= base.perplexity * (1 + BOUNDS[name]), (name, row.perplexity, base.perplexity)
