@@ -70,7 +70,7 @@ def run_variant(name: str, flags: list[str], args: argparse.Namespace, prompts: 
     kvpage = Path(sys.executable).with_name("kvpage")
     cmd = [str(kvpage), "serve", args.model, "--port", str(args.port), "--served-model-name", "kvpage",
            *args.server_args.split(), *flags]
-    proc = _start_server(cmd, None, args.port)  # the vs-vLLM benchmark's launcher: waits for /v1/models
+    proc = _start_server(cmd, None, args.port)  # the vs-vLLM benchmark's launcher: waits for /health
     try:
         result = asyncio.run(_drive(args.port, prompts, args.output_len, args.concurrency))
     finally:

@@ -6,7 +6,7 @@ Run::
     KVPAGE_CPP_WRAPPER=0 python benchmarks/repeat_passes.py --passes 3  # one setting against another
 
 The workload is ``bench_vs_vllm.offline_workload`` (64 requests, SmolLM2-135M-Instruct),
-with the settings of ``vs_vllm_worker`` (oneDNN linears; compiled unless ``--eager``) and
+with oneDNN linears, compiled unless ``--eager``, and
 the prefix cache off, so every pass computes every prompt again.
 Each pass is one ``LLM.generate`` of all 64 requests, timed alone, with the process's user
 and system CPU seconds and minor page faults over that pass from ``getrusage``. The first
