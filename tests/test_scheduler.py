@@ -370,3 +370,24 @@ def test_a_failed_step_forgets_the_cache_entries_it_made():
     s.schedule()
     assert s.requests["b"].num_cached_tokens == 0  # nothing stale was served
     s.check_integrity()
+
+
+def test_a_prefilling_request_with_parallel_samples_keeps_seats_for_them():
+    """A request with ``n=3`` still in prefill holds three seats: requests admitted after it
+    leave room for the samples it forks into after its first token (found by the tier fuzz,
+    where the forks pushed the running set past ``max_num_seqs``)."""
+    s = make(budget=8, max_seqs=4)
+    s.make_request("parent", list(range(3, 23)), params(n=3))  # 20 tokens: three chunks of 8
+    out, _ = step(s)
+    assert scheduled(out) == {"parent": 8}
+    for name in ("a", "b", "c"):
+        s.make_request(name, [5, 6], params())
+    out, _ = step(s)
+    assert scheduled(out) == {"parent": 8}  # "a" would take a seat the forks need
+    out, _ = step(s)  # the last chunk (4 tokens) leaves budget for "a", and its seat is free
+    assert scheduled(out) == {"parent": 4, "a": 2} and s.requests["parent"].num_output_tokens == 1
+    for k in (1, 2):
+        s.fork_request("parent", f"parent#{k}", sample_index=k, check_seats=False)
+    for _ in range(2):  # (every sequence here stops at 4 tokens)
+        out, _ = step(s)
+        assert s.num_running == 4 and "b" not in scheduled(out)  # every seat taken while "a" runs

@@ -42,10 +42,13 @@ class Admission:
     def admit(self, plan: StepPlan, running: list[Request]) -> None:
         """Admit into ``running`` (kept sorted) and ``plan`` while ``plan.budget`` lasts."""
         max_seqs = self.config.max_num_seqs
-        while plan.budget > 0 and len(running) < max_seqs:
+        # Seats, not running requests: one still prefilling with ``n`` samples forks into
+        # ``n`` after its first token, and those seats must be free then.
+        taken = sum(seats(r) for r in running)
+        while plan.budget > 0 and taken < max_seqs:
             request = self.waiting.peek()
-            if request is None or len(running) + seats(request) > max_seqs:
-                break  # (its parallel samples will fork into seats of their own)
+            if request is None or taken + seats(request) > max_seqs:
+                break
             uses_cache = uses_prefix_cache(request)
             hit = self.kv.match_prefix(request) if uses_cache else NO_HIT
             if hit.waits_for_disk and not request.kv_fetch_waited:
@@ -56,6 +59,7 @@ class Admission:
             if num_new is None or not self.kv.allocate_slots(request, num_new, hit):
                 break
             self._start(request, hit, uses_cache, running)
+            taken += seats(request)
             plan.add(request, num_new, self.kv)
 
     def _chunk(self, request: Request, hit: PrefixMatch, budget: int) -> Optional[int]:
