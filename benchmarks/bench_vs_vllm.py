@@ -65,7 +65,9 @@ TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 MODE_ATOMS = {"eager": ({"enforce_eager": True}, ["--enforce-eager"]),
               "compiled": ({"enforce_eager": False}, ["--no-enforce-eager"]),
               "onednn": ({"onednn_linears": True}, ["--onednn-linears"]),
-              "no-onednn": ({"onednn_linears": False}, ["--no-onednn-linears"])}
+              "no-onednn": ({"onednn_linears": False}, ["--no-onednn-linears"]),
+              "step-auto": ({"max_step_ms": "auto"}, ["--max-step-ms", "auto"]),
+              "step-off": ({"max_step_ms": None}, ["--max-step-ms", "off"])}
 
 
 def kvpage_mode(name: str) -> tuple[dict, list[str]]:

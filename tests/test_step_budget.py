@@ -10,7 +10,7 @@ import pytest
 
 from kvpage import CacheConfig, SamplingParams, Scheduler, SchedulerConfig
 from kvpage.core.config import EngineConfig
-from kvpage.core.sched.step_budget import StepBudget, StepCostModel, step_budget
+from kvpage.core.sched.step_budget import AUTO_DECODE_MULTIPLE, AUTO_FLOOR_MS, StepBudget, StepCostModel, step_budget
 from kvpage.entrypoints.cli.main import build_parser, main
 from kvpage.entrypoints.cli.serve import config_from_args
 
@@ -110,6 +110,38 @@ def test_the_limit_is_clamped_to_one_block_and_the_static_budget(extra, decodes,
     budget = StepBudget(0.05, BS, 256, FixedExtra(extra))
     assert budget.limit(decodes, seqs) == limit
     assert budget.num_capped_steps == (limit < 256)
+
+
+class LinearCost(FixedExtra):
+    """A cost model of ``fixed + per_token * tokens`` seconds (per sequence: free)."""
+
+    def __init__(self, fixed, per_token):
+        super().__init__(None)
+        self.fixed, self.per_token = fixed, per_token
+
+    def predict(self, num_tokens, num_seqs):
+        return self.fixed + self.per_token * num_tokens
+
+    def tokens_within(self, seconds, num_tokens, num_seqs):
+        return max(0, round((seconds - self.predict(num_tokens, num_seqs)) / self.per_token))
+
+
+@pytest.mark.parametrize("decodes, limit", [
+    (5, 5 + 35),    # decodes cost 10 + 5 = 15 ms, under the 50 ms floor: 35 ms (tokens) of prefill
+    (16, 16 + 26),  # 26 ms of decodes: a 52 ms target leaves them 26 tokens of prefill
+    (40, 40 + 50),  # 50 ms: a 100 ms target, 50 tokens
+    (200, 256),     # 210 ms: the static cap
+])
+def test_the_auto_target_is_a_multiple_of_the_decodes_cost(decodes, limit):
+    """Steps cost 10 ms + 1 ms a token."""
+    budget = step_budget("auto", BS, 256, LinearCost(0.010, 0.001))
+    assert budget.decode_multiple == AUTO_DECODE_MULTIPLE == 2.0 and budget.target_s == AUTO_FLOOR_MS / 1e3
+    assert budget.limit(decodes, decodes) == limit
+
+
+def test_the_auto_target_waits_for_a_fitted_model():
+    unfitted = step_budget("auto", BS, 256)
+    assert unfitted.limit(10, 10) == 256 and unfitted.num_capped_steps == 0
 
 
 def test_no_target_no_budget():
@@ -285,7 +317,18 @@ def test_the_target_reaches_the_scheduler_config():
     assert config.scheduler_config(1024).max_step_ms == 80 and EngineConfig().scheduler_config(64).max_step_ms is None
     args = build_parser().parse_args(["serve", "--max-step-ms", "120.5"])
     assert config_from_args(args).max_step_ms == 120.5
-    assert config_from_args(build_parser().parse_args(["serve"])).max_step_ms is None
+    assert EngineConfig(max_step_ms="auto").scheduler_config(64).max_step_ms == "auto"
+
+
+@pytest.mark.parametrize("argv, target", [
+    ([], "auto"),                                   # the server's default: a step target
+    (["--no-enable-chunked-prefill"], None),        # ... which needs chunked prefill
+    (["--max-step-ms", "off"], None),
+    (["--max-step-ms", "auto"], "auto"),
+    (["--max-step-ms", "75"], 75.0),
+])
+def test_the_server_defaults_to_the_auto_target(argv, target):
+    assert config_from_args(build_parser().parse_args(["serve", *argv])).max_step_ms == target
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from kvpage.core.kv_events import KVEventsConfig
 from kvpage.core.kv_formats import KV_CACHE_DTYPES
@@ -36,8 +36,8 @@ def _require_positive_int(name: str, value: object) -> None:
 def _check_max_step_ms(value: object, enable_chunked_prefill: bool) -> None:
     if value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-        raise ValueError(f"max_step_ms must be a positive number of milliseconds, got {value!r}")
+    if value != "auto" and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf):
+        raise ValueError(f"max_step_ms must be a positive number of milliseconds or 'auto', got {value!r}")
     if not enable_chunked_prefill:
         raise ValueError("max_step_ms sizes each step's prompt chunks: it needs enable_chunked_prefill")
 
@@ -117,8 +117,9 @@ class SchedulerConfig:
         max_step_ms: target duration of a step that runs decodes, in milliseconds: prompt
             chunks get the tokens that the step cost measured on this machine leaves within
             it after the decodes, at least one block and at most ``max_num_batched_tokens``
-            (``step_budget``). A step without decodes keeps the full budget. ``None``: off,
-            the static budget alone. Needs ``enable_chunked_prefill``.
+            (``step_budget``). A step without decodes keeps the full budget. ``"auto"``: a
+            target of twice the decodes' own cost, at least 50 ms (``kvpage serve``'s
+            default). ``None``: off, the static budget alone. Needs ``enable_chunked_prefill``.
     """
 
     max_num_seqs: int = 256
@@ -128,7 +129,7 @@ class SchedulerConfig:
     policy: str = "fcfs"
     max_waiting: Optional[int] = None
     max_preemptions_before_pin: int = 3
-    max_step_ms: Optional[float] = None
+    max_step_ms: Union[float, str, None] = None
 
     def __post_init__(self) -> None:
         _require_positive_int("max_num_seqs", self.max_num_seqs)
@@ -212,7 +213,7 @@ class EngineConfig:
     max_model_len: Optional[int] = None
     policy: str = "fcfs"
     max_waiting: Optional[int] = None
-    max_step_ms: Optional[float] = None
+    max_step_ms: Union[float, str, None] = None
     seed: int = 0
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"

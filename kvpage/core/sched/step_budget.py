@@ -14,12 +14,18 @@ token limit once its decodes are scheduled::
 The prefill share is at least one block (so prompts always progress, even when the decodes
 alone exceed the target). With no decode in the step nobody waits on it, and the limit is
 ``max_num_batched_tokens``, as it is while the model cannot predict yet.
+
+``max_step_ms="auto"`` (``kvpage serve``'s default) needs no number from the user: each
+step's target is ``AUTO_DECODE_MULTIPLE`` times what its decodes alone are predicted to
+cost, and never under ``AUTO_FLOOR_MS``. A stream then waits at most about that multiple of
+its undisturbed inter-token time while prompts arrive, on any machine and model, and the
+prompts still get as much of every step as the decodes themselves.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Protocol
+from typing import Optional, Protocol, Union
 
 import numpy as np
 
@@ -29,6 +35,12 @@ _SEQ_UNIT = 16.0
 # Relative ridge on the two slopes: decode-only steps have tokens == sequences, and the
 # ridge splits an unidentifiable slope between them instead of failing the solve.
 _RIDGE = 1e-6
+
+#: ``max_step_ms="auto"``: a step carrying decodes may take this multiple of their own cost...
+AUTO_DECODE_MULTIPLE = 2.0
+#: ...and at least this many milliseconds (a lone stream's decode is only a few milliseconds;
+#: a target that small would cut prompts into chunks whose fixed costs dominate).
+AUTO_FLOOR_MS = 50.0
 
 
 class StepCost(Protocol):
@@ -41,6 +53,9 @@ class StepCost(Protocol):
         """Most tokens a step already holding ``num_tokens`` over ``num_seqs`` sequences may add,
         as one more sequence, and still be predicted to take at most ``seconds``; None when the
         model cannot tell yet."""
+
+    def predict(self, num_tokens: int, num_seqs: int) -> Optional[float]:
+        """Predicted seconds of a step of this size; None when the model cannot tell yet."""
 
 
 class StepCostModel:
@@ -172,19 +187,28 @@ class StepBudget:
 
     ``min_prefill_tokens`` (one block) is what prefill always gets beyond the decodes, and
     ``max_tokens`` (``max_num_batched_tokens``) caps the whole step as without a target.
+    With ``decode_multiple`` set, a step's target is that multiple of its decodes' predicted
+    cost, ``target_s`` being the floor (``max_step_ms="auto"``).
     """
 
     target_s: float
     min_prefill_tokens: int
     max_tokens: int
     model: StepCost
+    decode_multiple: Optional[float] = None
     num_capped_steps: int = 0  # steps whose limit came out below max_tokens
 
     def limit(self, num_decode_tokens: int, num_decode_seqs: int) -> int:
         """Tokens the whole step may hold, its decodes (already scheduled) included."""
         if num_decode_seqs == 0:
             return self.max_tokens  # nobody waits on this step: prompts go as fast as they can
-        extra = self.model.tokens_within(self.target_s, num_decode_tokens, num_decode_seqs)
+        target = self.target_s
+        if self.decode_multiple is not None:
+            decode_cost = self.model.predict(num_decode_tokens, num_decode_seqs)
+            if decode_cost is None:
+                return self.max_tokens
+            target = max(target, self.decode_multiple * decode_cost)
+        extra = self.model.tokens_within(target, num_decode_tokens, num_decode_seqs)
         if extra is None:
             return self.max_tokens
         limit = min(self.max_tokens, num_decode_tokens + max(self.min_prefill_tokens, extra))
@@ -203,10 +227,13 @@ class StepBudget:
                 "step_cost_per_seq_ms": per_seq, "num_step_budget_capped": self.num_capped_steps}
 
 
-def step_budget(max_step_ms: Optional[float], block_size: int, max_num_batched_tokens: int,
+def step_budget(max_step_ms: Union[float, str, None], block_size: int, max_num_batched_tokens: int,
                 model: Optional[StepCost] = None) -> Optional[StepBudget]:
-    """The scheduler's ``StepBudget`` for ``max_step_ms`` (None: no target, no budget), over
-    ``model`` or a fresh ``StepCostModel``."""
+    """The scheduler's ``StepBudget`` for ``max_step_ms`` (milliseconds, ``"auto"``, or None:
+    no target, no budget), over ``model`` or a fresh ``StepCostModel``."""
     if max_step_ms is None:
         return None
-    return StepBudget(max_step_ms / 1e3, block_size, max_num_batched_tokens, model or StepCostModel())
+    model = model or StepCostModel()
+    if max_step_ms == "auto":
+        return StepBudget(AUTO_FLOOR_MS / 1e3, block_size, max_num_batched_tokens, model, AUTO_DECODE_MULTIPLE)
+    return StepBudget(max_step_ms / 1e3, block_size, max_num_batched_tokens, model)

@@ -92,6 +92,24 @@ def positive_float(text: str) -> float:
     return _bounded_float(text, allow_zero=False)
 
 
+class _FollowsChunkedPrefill:
+    """``--max-step-ms``'s default: ``auto`` with chunked prefill, ``off`` without (not a str,
+    so argparse passes it through untouched and ``config_from_args`` can tell it apart)."""
+
+    def __repr__(self) -> str:
+        return "auto"
+
+
+AUTO_STEP_TARGET = _FollowsChunkedPrefill()
+
+
+def step_target(text: str):
+    """``--max-step-ms``: a number of milliseconds > 0, ``auto`` or ``off`` (None)."""
+    if text in ("auto", "off"):
+        return None if text == "off" else text
+    return _bounded_float(text, allow_zero=False)
+
+
 def non_negative_float(text: str) -> float:
     """A finite number >= 0."""
     return _bounded_float(text, allow_zero=True)

@@ -12,7 +12,8 @@ import dataclasses
 import re
 from typing import Optional
 
-from kvpage.entrypoints.cli.args import DefaultsHelpFormatter, UsageError, non_negative_float, port, positive_float, positive_int
+from kvpage.entrypoints.cli.args import (AUTO_STEP_TARGET, DefaultsHelpFormatter, UsageError, non_negative_float, port,
+                                         positive_float, positive_int, step_target)
 from kvpage.core.config import DEFAULT_DISK_CACHE_GIB, EngineConfig
 from kvpage.core.kv_formats import KV_CACHE_DTYPES
 from kvpage.core.kv_events import KVEventsConfig
@@ -82,11 +83,12 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (a power of two)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
-    p.add_argument("--max-step-ms", type=positive_float, default=None, metavar="MS",
+    p.add_argument("--max-step-ms", type=step_target, default=AUTO_STEP_TARGET, metavar="MS|auto|off",
                    help="target duration of a step while streams are decoding: prompt chunks get the tokens "
                         "that the step cost measured on this machine leaves after the decodes (at least one "
                         "block, at most --max-num-batched-tokens), which bounds inter-token latency; steps "
-                        "without decodes keep the full budget; needs chunked prefill (default: off)")
+                        "without decodes keep the full budget; 'auto': twice the decodes' own cost, at least "
+                        "50 ms; 'off': the static budget alone (default: auto with chunked prefill, else off)")
     p.add_argument("--enable-chunked-prefill", action=bool_flag, default=True,
                    help="split long prompts into chunks that share steps with decodes; takes an optional value")
     p.add_argument("--enable-prefix-caching", action=bool_flag, default=True,
@@ -158,9 +160,11 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
 
     Raises ``UsageError`` for a value the config refuses (a bad block size, ...).
     """
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if hasattr(args, f.name)}
+    if values.get("max_step_ms") is AUTO_STEP_TARGET:  # the default follows chunked prefill
+        values["max_step_ms"] = "auto" if values.get("enable_chunked_prefill", True) else None
     try:
-        return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
-                               if hasattr(args, f.name)})
+        return EngineConfig(**values)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
 
