@@ -127,15 +127,15 @@ class LinearCost(FixedExtra):
 
 
 @pytest.mark.parametrize("decodes, limit", [
-    (5, 5 + 35),    # decodes cost 10 + 5 = 15 ms, under the 50 ms floor: 35 ms (tokens) of prefill
-    (16, 16 + 26),  # 26 ms of decodes: a 52 ms target leaves them 26 tokens of prefill
-    (40, 40 + 50),  # 50 ms: a 100 ms target, 50 tokens
-    (200, 256),     # 210 ms: the static cap
+    (5, 5 + 35),     # decodes cost 10 + 5 = 15 ms, under the 50 ms floor: 35 ms (tokens) of prefill
+    (16, 16 + 26 * 2),  # 26 ms of decodes: a 78 ms target leaves them 52 tokens of prefill
+    (40, 40 + 100),  # 50 ms: a 150 ms target, 100 tokens
+    (100, 256),      # 110 ms: the static cap
 ])
 def test_the_auto_target_is_a_multiple_of_the_decodes_cost(decodes, limit):
     """Steps cost 10 ms + 1 ms a token."""
     budget = step_budget("auto", BS, 256, LinearCost(0.010, 0.001))
-    assert budget.decode_multiple == AUTO_DECODE_MULTIPLE == 2.0 and budget.target_s == AUTO_FLOOR_MS / 1e3
+    assert budget.decode_multiple == AUTO_DECODE_MULTIPLE == 3.0 and budget.target_s == AUTO_FLOOR_MS / 1e3
     assert budget.limit(decodes, decodes) == limit
 
 

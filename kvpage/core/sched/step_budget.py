@@ -19,7 +19,7 @@ alone exceed the target). With no decode in the step nobody waits on it, and the
 step's target is ``AUTO_DECODE_MULTIPLE`` times what its decodes alone are predicted to
 cost, and never under ``AUTO_FLOOR_MS``. A stream then waits at most about that multiple of
 its undisturbed inter-token time while prompts arrive, on any machine and model, and the
-prompts still get as much of every step as the decodes themselves.
+prompts still get more of every step than the decodes themselves.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ _SEQ_UNIT = 16.0
 _RIDGE = 1e-6
 
 #: ``max_step_ms="auto"``: a step carrying decodes may take this multiple of their own cost...
-AUTO_DECODE_MULTIPLE = 2.0
+AUTO_DECODE_MULTIPLE = 3.0
 #: ...and at least this many milliseconds (a lone stream's decode is only a few milliseconds;
 #: a target that small would cut prompts into chunks whose fixed costs dominate).
 AUTO_FLOOR_MS = 50.0
