@@ -90,13 +90,16 @@ def test_forked_samples_copy_the_parents_state(family_model):
 def test_engine_settings_follow_the_model(family_model, caplog):
     """Prefix caching is off for every recurrent model; chunked prefill only where the
     model's prefill resumes from a stored state (all but Mamba and Jamba, whose Mamba
-    prefill starts from zeros), and a model with no attention layers holds no KV memory."""
+    prefill starts from zeros), and the step-time target (``kvpage serve``'s default) with
+    it; a model with no attention layers holds no KV memory."""
     family, model = family_model
     with caplog.at_level(logging.INFO, logger="kvpage"):
-        _, stats, engine = _generate(model, _prompts(3, (9, 9)), block_size=4, num_kv_blocks=32)
+        _, stats, engine = _generate(model, _prompts(3, (9, 9)), block_size=4, num_kv_blocks=32, max_step_ms="auto")
     scheduler = engine.scheduler
     assert scheduler.prefix_cache is None and stats["prefix_cache_hits"] == 0
-    assert scheduler.config.enable_chunked_prefill == (family in ("qwen3_next", "minimax", "rwkv"))
+    chunked = family in ("qwen3_next", "minimax", "rwkv")
+    assert scheduler.config.enable_chunked_prefill == chunked
+    assert scheduler.config.max_step_ms == ("auto" if chunked else None) and (scheduler.step_budget is None) != chunked
     assert "prefix caching off" in caplog.text
     assert scheduler.state_slots.num_slots == scheduler.config.max_num_seqs
     runner = engine.runner

@@ -296,8 +296,8 @@ def _kv_event_publisher(config: EngineConfig, scheduler: Scheduler) -> Optional[
 def stateful_config(runner: HFModelRunner, config: EngineConfig) -> EngineConfig:
     """The settings a model with recurrent layers runs under, each change logged: no prefix
     cache (a cached block holds KV, not the state after it) and, where the model's prefill
-    does not resume from a stored state, no chunked prefill. Refuses the KV tiers, which
-    are prefix-cache tiers."""
+    does not resume from a stored state, no chunked prefill (nor the step-time target, which
+    sizes chunks). Refuses the KV tiers, which are prefix-cache tiers."""
     if not runner.state_layout:
         return config
     log.info("recurrent state: %d layers keep conv/recurrent state, one slot per running sequence",
@@ -312,6 +312,9 @@ def stateful_config(runner: HFModelRunner, config: EngineConfig) -> EngineConfig
     if config.enable_chunked_prefill and not runner.chunks_resume_state:
         changes["enable_chunked_prefill"] = False
         log.info("chunked prefill off: this model's prefill starts from a zero state, so prompts run whole")
+        if config.max_step_ms is not None:  # a step target sizes prompt chunks: with none, it has no say
+            changes["max_step_ms"] = None
+            log.info("step-time target (max_step_ms=%s) off: it needs chunked prefill", config.max_step_ms)
     return dataclasses.replace(config, **changes) if changes else config
 
 
