@@ -15,6 +15,7 @@ import argparse
 import logging
 import socket
 import sys
+import time
 from typing import Any
 
 from kvpage.core.config import EngineConfig
@@ -84,12 +85,17 @@ def _start_engine(args: argparse.Namespace, model: str, config: EngineConfig) ->
     from kvpage.entrypoints.llm import LLM
 
     log.info("loading %s ...", model)
+    start = time.perf_counter()
     llm = LLM(model, config=config)
+    built = time.perf_counter() - start
     for line in engine_summary(llm, config):
         log.info("%s", line)
     for warning in device_warnings(getattr(args, "explicit", set()), llm.device.type, config):
         log.warning("%s", warning)
-    warm_up(llm)
+    warmed = warm_up(llm)
+    log.info("ready in %.1f s: engine built in %.1f s%s, warm-up %.1f s",
+             time.perf_counter() - start, built, "" if config.enforce_eager else " (compiled forward included)",
+             warmed)
     return llm
 
 

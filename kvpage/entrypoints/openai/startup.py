@@ -17,11 +17,24 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvpage")
 
 
+def step_target_summary(max_step_ms) -> str:
+    """How a step's prompt tokens are bounded, in words (``SchedulerConfig.max_step_ms``)."""
+    if max_step_ms is None:
+        return "off (the static token budget alone)"
+    if max_step_ms == "auto":
+        from kvpage.core.sched.step_budget import AUTO_DECODE_MULTIPLE, AUTO_FLOOR_MS
+
+        return f"auto ({AUTO_DECODE_MULTIPLE:g}x the decodes' cost, at least {AUTO_FLOOR_MS:g} ms)"
+    return f"{max_step_ms:g} ms"
+
+
 def engine_summary(llm: "LLM", config: EngineConfig) -> list[str]:
-    """The start-up report: model, dtype, device, threads, and the KV pool and its sizing rule."""
+    """The start-up report: model, dtype, device, threads, the KV pool and its sizing rule,
+    and the scheduler's limits as the engine applies them."""
     import torch
 
     runner, stats = llm.runner, llm.stats()
+    sched = llm.engine.scheduler.config  # after the engine's own changes (a recurrent model's, say)
     device = llm.device
     dtype = str(next(llm.model.parameters()).dtype).removeprefix("torch.")
     backend = getattr(runner.backend, "name", type(runner.backend).__name__)
@@ -41,6 +54,9 @@ def engine_summary(llm: "LLM", config: EngineConfig) -> list[str]:
         f"threads {torch.get_num_threads()}, attention backend {backend}{kernels}, max_model_len {limit}",
         f"KV cache: {stats['num_blocks']} blocks of {config.block_size} tokens "
         f"({stats['num_blocks'] * config.block_size} tokens{size}); sized by the {rule} rule",
+        f"scheduler: up to {sched.max_num_seqs} sequences and {sched.max_num_batched_tokens} tokens a step, "
+        f"chunked prefill {'on' if sched.enable_chunked_prefill else 'off'}, "
+        f"step-time target {step_target_summary(sched.max_step_ms)}",
     ]
 
 
