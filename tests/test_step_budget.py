@@ -7,6 +7,8 @@ import random
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvpage import CacheConfig, SamplingParams, Scheduler, SchedulerConfig
 from kvpage.core.config import EngineConfig
@@ -137,6 +139,23 @@ def test_the_auto_target_is_a_multiple_of_the_decodes_cost(decodes, limit):
     budget = step_budget("auto", BS, 256, LinearCost(0.010, 0.001))
     assert budget.decode_multiple == AUTO_DECODE_MULTIPLE == 3.0 and budget.target_s == AUTO_FLOOR_MS / 1e3
     assert budget.limit(decodes, decodes) == limit
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@given(fixed_ms=st.floats(0.0, 200.0), per_token_ms=st.floats(0.001, 5.0), decodes=st.integers(1, 300),
+       max_tokens=st.integers(BS, 4096))
+def test_the_auto_target_bounds_a_step_at_its_multiple_of_the_decodes(fixed_ms, per_token_ms, decodes, max_tokens):
+    """Whatever the machine's costs: the step holds every decode and at least one block of
+    prefill (within the static cap), never more than the cap, and is predicted to take at
+    most the target (the floor, or the multiple of the decodes' cost) unless the one-block
+    minimum alone exceeds it."""
+    cost = LinearCost(fixed_ms / 1e3, per_token_ms / 1e3)
+    budget = step_budget("auto", BS, max_tokens, cost)
+    limit = budget.limit(decodes, decodes)
+    assert min(max_tokens, decodes + BS) <= limit <= max_tokens
+    target = max(AUTO_FLOOR_MS / 1e3, AUTO_DECODE_MULTIPLE * cost.predict(decodes, decodes))
+    if limit > decodes + BS:
+        assert cost.predict(limit, decodes + 1) <= target + cost.per_token  # one token of rounding
 
 
 def test_the_auto_target_waits_for_a_fitted_model():
