@@ -105,8 +105,10 @@ AUTO_STEP_TARGET = _FollowsChunkedPrefill()
 
 def step_target(text: str):
     """``--max-step-ms``: a number of milliseconds > 0, ``auto`` or ``off`` (None)."""
-    if text in ("auto", "off"):
-        return None if text == "off" else text
+    if text == "off":
+        return None
+    if text == "auto":
+        return text
     return _bounded_float(text, allow_zero=False)
 
 

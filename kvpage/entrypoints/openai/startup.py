@@ -9,6 +9,7 @@ import time
 from typing import TYPE_CHECKING
 
 from kvpage.core.config import EngineConfig
+from kvpage.core.sched.step_budget import AUTO_DECODE_MULTIPLE, AUTO_FLOOR_MS
 from kvpage.storage.sizing import kv_sizing_rule
 
 if TYPE_CHECKING:
@@ -22,8 +23,6 @@ def step_target_summary(max_step_ms) -> str:
     if max_step_ms is None:
         return "off (the static token budget alone)"
     if max_step_ms == "auto":
-        from kvpage.core.sched.step_budget import AUTO_DECODE_MULTIPLE, AUTO_FLOOR_MS
-
         return f"auto ({AUTO_DECODE_MULTIPLE:g}x the decodes' cost, at least {AUTO_FLOOR_MS:g} ms)"
     return f"{max_step_ms:g} ms"
 
