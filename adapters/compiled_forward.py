@@ -80,6 +80,7 @@ class CompiledForward:
         self.takes_logits_to_keep = takes_logits_to_keep
         self._compiled: Callable = torch.compile(self._forward, dynamic=True, backend=kvpage_inductor)
         self.warmed_up = False
+        self.compile_seconds = 0.0  # set by warm_up
         self.skip_guards = SKIP_GUARDS  # cleared for good if a skipping call would have recompiled
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -144,6 +145,6 @@ class CompiledForward:
         finally:
             set_compute_threads(counts[0])
         self.warmed_up = True  # guards are checked in full until here (see SKIP_GUARDS)
-        elapsed = time.perf_counter() - start
+        elapsed = self.compile_seconds = time.perf_counter() - start
         log.info("model forward compiled in %.1f s (cache: %s)", elapsed, os.environ["TORCHINDUCTOR_CACHE_DIR"])
         return elapsed

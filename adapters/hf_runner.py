@@ -30,7 +30,7 @@ from .compiled_forward import CompiledForward
 from .families import needs_port, port_refusal
 from .forward_context import AttentionBackend, AttentionSite, ProbeContext, StepContext, forward_context
 from .layer_kinds import attention_modules, attention_modules_of_layer, unsupported_layer_reason
-from .onednn_linear import use_onednn_linears
+from .onednn_linear import onednn_available, use_onednn_linears
 from .position_relay import relay_position_ids
 from .recurrent_state import (RecurrentStateSlots, StateEntry, chunked_prefill_is_exact, probe_state_layout,
                               state_argument)
@@ -113,7 +113,8 @@ class HFModelRunner:
         self._undo = contextlib.ExitStack()  # the changes made to the model, undone by restore()
         try:
             self.takeover: Takeover = take_over(model, self._undo, recurrent=bool(self.state_layout))
-            if onednn_linears:
+            self.onednn_linears = bool(onednn_linears) and onednn_available(model)
+            if self.onednn_linears:
                 self._undo.callback(use_onednn_linears(model))
             self.kv_dtype = self._probe_sites()
         except BaseException:

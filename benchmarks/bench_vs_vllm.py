@@ -5,10 +5,12 @@ for each ``--dtype`` x ``--kv-cache-dtype`` (passed to both engines: ``auto`` is
 dtype; ``fp8`` etc. quantize the KV cache on both sides; a name one engine rejects gives
 that row an error, not an abort) and each kvpage mode of ``--kvpage-flags``:
 
-- ``defaults``: no extra option (what a user gets from ``LLM(MODEL)`` / ``kvpage serve MODEL``);
-- otherwise atoms joined by ``+``: ``eager`` / ``compiled`` (``enforce_eager`` True / False),
-  ``onednn`` / ``no-onednn`` (``onednn_linears``); e.g. ``compiled+onednn``.
-  Default: ``defaults compiled+onednn``. vLLM always runs with its defaults.
+- ``defaults``: no extra option (what a user gets from ``LLM(MODEL)`` / ``kvpage serve MODEL``:
+  on CPU the compiled forward with oneDNN linears);
+- otherwise atoms joined by ``+``: ``exact`` (``exact``: eager, torch's linears), ``eager`` /
+  ``compiled`` (``enforce_eager`` True / False), ``onednn`` / ``no-onednn``
+  (``onednn_linears``); e.g. ``compiled+no-onednn``.
+  Default: ``defaults exact``. vLLM always runs with its defaults.
 
 Offline (default): the same ``--num-prompts`` requests (64; log-normal prompts of about
 210 tokens, outputs of about 60, greedy, ``ignore_eos``) through each engine's
@@ -62,7 +64,8 @@ HERE = Path(__file__).resolve().parent
 DEFAULT_VLLM_PYTHON = "/work/vllm-venv/bin/python"
 TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 #: kvpage mode atoms: ``LLM`` keywords and the matching ``kvpage serve`` flags.
-MODE_ATOMS = {"eager": ({"enforce_eager": True}, ["--enforce-eager"]),
+MODE_ATOMS = {"exact": ({"exact": True}, ["--exact"]),
+              "eager": ({"enforce_eager": True}, ["--enforce-eager"]),
               "compiled": ({"enforce_eager": False}, ["--no-enforce-eager"]),
               "onednn": ({"onednn_linears": True}, ["--onednn-linears"]),
               "no-onednn": ({"onednn_linears": False}, ["--no-onednn-linears"]),
@@ -309,7 +312,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"], help="weights dtype(s), both engines")
     p.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], help="KV cache dtype(s), both engines")
-    p.add_argument("--kvpage-flags", nargs="+", default=["defaults", "compiled+onednn"],
+    p.add_argument("--kvpage-flags", nargs="+", default=["defaults", "exact"],
                    help="kvpage modes: defaults, or +-joined parts of " + ", ".join(MODE_ATOMS))
     p.add_argument("--online", action="store_true", help="the server workload instead of the offline one")
     p.add_argument("--client", choices=["vllm", "kvpage"], default="vllm", help="online: whose client drives it")
@@ -374,14 +377,14 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 def test_bench_vs_vllm(tmp_path):
-    """Under ``pytest benchmarks/``: a tiny offline run (8 requests, kvpage defaults); skips
+    """Under ``pytest benchmarks/``: a tiny offline run (8 requests, kvpage in the exact mode); skips
     unless vLLM's CPU build is installed."""
     import pytest
 
     if vllm_python(None) is None:
         pytest.skip("vLLM's CPU build is not installed (see this file's docstring)")
     out = tmp_path / "vs_vllm.json"
-    assert main(["--dtype", "float32", "--num-prompts", "8", "--kvpage-flags", "defaults", "--json", str(out)]) == 0
+    assert main(["--dtype", "float32", "--num-prompts", "8", "--kvpage-flags", "exact", "--json", str(out)]) == 0
     assert all(row["error"] is None for row in json.loads(out.read_text())["offline"])
 
 

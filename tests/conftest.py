@@ -19,3 +19,7 @@ os.environ.setdefault("KVPAGE_THREAD_GOVERNOR", "0")
 # compiled tests run the Python wrapper, and test_compiled.py runs one family with the C++
 # wrapper on. The kernels and so the outputs are the same under either wrapper.
 os.environ.setdefault("KVPAGE_CPP_WRAPPER", "0")
+# The engine's default mode compiles the forward on CPU (seconds to minutes per model): the
+# suite's settings left unset take the exact mode's values instead (eager, torch's
+# linears; kvpage.core.config), and a test that wants compilation or oneDNN asks for it.
+os.environ.setdefault("KVPAGE_EXACT", "1")

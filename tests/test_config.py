@@ -6,6 +6,7 @@ import math
 import pytest
 
 from kvpage import CacheConfig, Request, SamplingParams, Scheduler, SchedulerConfig
+from kvpage.core.config import EngineConfig
 
 
 def test_defaults_are_valid():
@@ -160,3 +161,37 @@ def test_waiting_queue_limit():
     with pytest.raises(QueueFullError):
         s.make_request("c", [1])
     assert s.num_waiting == 2 and "c" not in s.requests
+
+
+def test_the_default_mode_compiles_on_cpu_with_onednn_and_stays_eager_on_gpu(monkeypatch):
+    monkeypatch.setenv("KVPAGE_EXACT", "0")
+    config = EngineConfig()
+    assert (config.compiles("cpu"), config.compiles("cuda"), config.uses_onednn) == (True, False, True)
+    eager = EngineConfig(enforce_eager=True, onednn_linears=False)
+    assert (eager.compiles("cpu"), eager.uses_onednn) == (False, False)
+
+
+def test_the_exact_mode_is_eager_with_torch_linears(monkeypatch):
+    monkeypatch.setenv("KVPAGE_EXACT", "0")
+    config = EngineConfig(exact=True)
+    assert (config.compiles("cpu"), config.compiles("cuda"), config.uses_onednn) == (False, False, False)
+    assert EngineConfig(exact=True, enforce_eager=True, onednn_linears=False).exact_mode
+
+
+@pytest.mark.parametrize("kwargs", [{"enforce_eager": False}, {"onednn_linears": True}])
+def test_the_exact_mode_refuses_settings_that_contradict_it(kwargs):
+    with pytest.raises(ValueError, match="exact=True runs the model eagerly"):
+        EngineConfig(exact=True, **kwargs)
+
+
+@pytest.mark.parametrize("field", ["exact", "enforce_eager", "onednn_linears"])
+def test_mode_switches_must_be_booleans(field):
+    with pytest.raises(ValueError, match=field):
+        EngineConfig(**{field: "yes"})
+
+
+def test_the_environment_exact_mode_sets_defaults_but_keeps_explicit_settings(monkeypatch):
+    monkeypatch.setenv("KVPAGE_EXACT", "1")
+    assert (EngineConfig().compiles("cpu"), EngineConfig().uses_onednn) == (False, False)
+    asked = EngineConfig(enforce_eager=False, onednn_linears=True)
+    assert (asked.compiles("cpu"), asked.uses_onednn) == (True, True)

@@ -76,7 +76,14 @@ def test_model_positional_or_flag():
 def test_enforce_eager_and_num_threads_reach_the_config():
     config = config_from_args(parse("--enforce-eager", "false", "--num-threads", "3"))
     assert (config.enforce_eager, config.num_threads) == (False, 3)
-    assert config_from_args(parse()).enforce_eager == EngineConfig().enforce_eager
+    assert config_from_args(parse()).enforce_eager is None  # the engine's default for the device
+
+
+def test_exact_flag_reaches_the_config_and_a_contradiction_is_a_usage_error():
+    config = config_from_args(parse("--exact"))
+    assert (config.exact, config.enforce_eager, config.onednn_linears) == (True, None, None)
+    with pytest.raises(UsageError, match="exact=True runs the model eagerly"):
+        config_from_args(parse("--exact", "--onednn-linears"))
 
 
 def test_kv_tier_and_event_flags_reach_the_config():

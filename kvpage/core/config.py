@@ -185,11 +185,17 @@ class EngineConfig:
             (fp8, int8) or 3.5x (int4) the tokens of bf16 in one byte budget.
         device: "auto", "cpu" or "cuda[:i]".
         attention_backend: a registered backend name, or "auto".
-        enforce_eager: run the model op by op (no graph compilation; vLLM's flag).
-        onednn_linears: on CPU, run the model's linears through oneDNN on reordered weights
-            (1.4-1.6x faster fp32 matmuls on AMD CPUs). Off by default: oneDNN's kernels
-            depend on the batch's row count, so a near-tie greedy token can differ with what
-            else is in the batch, and exactness against HF ``generate`` is the default.
+        exact: greedy output equal to HF ``generate`` token for token: the model runs op by
+            op with torch's own linears (``enforce_eager=True, onednn_linears=False``). Off by
+            default, as in vLLM: the default is the fast mode below. Contradicting it with
+            ``enforce_eager=False`` or ``onednn_linears=True`` is a ``ValueError``.
+        enforce_eager: run the model op by op (no graph compilation; vLLM's flag). ``None``
+            (default): compiled on CPU (``torch.compile``, cached on disk, so a second start
+            compiles nothing), eager on GPU; eager in the exact mode.
+        onednn_linears: on CPU, run the model's linears through oneDNN on reordered weights.
+            ``None`` (default): on, unless in the exact mode. oneDNN picks its kernels by the
+            batch's row count, so a near-tie greedy token can differ with what else is in
+            the batch: the reason the exact mode keeps torch's linears.
         num_threads: compute threads for the whole engine (torch and numba share them);
             ``None`` takes the CPUs this process may run on.
         kv_offloading_size: host memory for the host KV tier, in GiB (vLLM's flag and unit);
@@ -219,8 +225,9 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     device: str = "auto"
     attention_backend: str = "auto"
-    enforce_eager: bool = True
-    onednn_linears: bool = False
+    exact: bool = False
+    enforce_eager: Optional[bool] = None
+    onednn_linears: Optional[bool] = None
     num_threads: Optional[int] = None
     kv_offloading_size: Optional[float] = None
     kv_disk_cache: Optional[str] = None
@@ -231,6 +238,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         CacheConfig(self.block_size, 1, self.enable_prefix_caching)  # validates block_size
         self._check_tiers()
+        self._check_mode()
         _check_max_step_ms(self.max_step_ms, self.enable_chunked_prefill)
         object.__setattr__(self, "kv_events_config", KVEventsConfig.parse(self.kv_events_config))
         for name in ("num_kv_blocks", "kv_cache_memory", "max_model_len", "num_threads"):
@@ -244,6 +252,34 @@ class EngineConfig:
         if not isinstance(self.kv_cache_dtype, str) or self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; "
                              f"got {self.kv_cache_dtype!r}")
+
+    def _check_mode(self) -> None:
+        for name in ("exact", "enforce_eager", "onednn_linears"):
+            value = getattr(self, name)
+            if not (isinstance(value, bool) or (value is None and name != "exact")):
+                raise ValueError(f"{name} must be True or False, got {value!r}")
+        if self.exact and (self.enforce_eager is False or self.onednn_linears):
+            raise ValueError("exact=True runs the model eagerly with torch's linears: it contradicts "
+                             "enforce_eager=False and onednn_linears=True")
+
+    @property
+    def exact_mode(self) -> bool:
+        """Whether settings left unset take the exact mode's values: ``exact``, or the
+        environment's ``KVPAGE_EXACT`` (``1``; the test suite sets it, so that each test
+        compiles only when it asks to)."""
+        return self.exact or os.environ.get("KVPAGE_EXACT", "0").lower() in ("1", "true", "yes")
+
+    def compiles(self, device_type: str) -> bool:
+        """Whether the forward is compiled on a ``device_type`` ("cpu", "cuda") device."""
+        if self.enforce_eager is not None:
+            return not self.enforce_eager
+        # GPU steps stay eager until graph-captured steps are measured on hardware.
+        return device_type == "cpu" and not self.exact_mode
+
+    @property
+    def uses_onednn(self) -> bool:
+        """Whether a CPU model's linears run through oneDNN (a no-op on GPU)."""
+        return self.onednn_linears if self.onednn_linears is not None else not self.exact_mode
 
     def _check_tiers(self) -> None:
         for name in ("kv_offloading_size", "kv_disk_cache_size"):

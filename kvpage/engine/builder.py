@@ -247,7 +247,7 @@ def build_hf_engine(model: torch.nn.Module, tokenizer: Any, config: EngineConfig
     collaborator the config asks for (KV tiers, KV event publisher, thread governor). If
     that fails (a ``ValueError`` naming the reason), the model keeps its own attention."""
     num_threads = configure_threads(config.num_threads)
-    runner = HFModelRunner(model, onednn_linears=config.onednn_linears)
+    runner = HFModelRunner(model, onednn_linears=config.uses_onednn)
     if runner.device.type == "cpu":
         keep_freed_memory()
     # A compiled graph keeps the thread count it was compiled with (see thread_governor):
@@ -364,7 +364,7 @@ def _bind_kv_cache(runner: HFModelRunner, config: EngineConfig, max_model_len: i
 
 def _compile(runner: HFModelRunner, config: EngineConfig, other_thread_counts: tuple) -> None:
     """Compile the forward unless the config or the model rules it out (logged)."""
-    if config.enforce_eager:
+    if not config.compiles(runner.device.type):
         return
     if runner.eager_reason is not None:
         log.info("compilation off: %s", runner.eager_reason)

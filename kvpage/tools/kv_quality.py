@@ -114,8 +114,11 @@ def measure_quality(model: str, formats: Sequence[str], dtype: str = "bfloat16",
                     max_windows: int = 8, max_chars: Optional[int] = None, prompts: Sequence[str] = (),
                     max_tokens: int = 48, **engine: Any) -> list[FormatQuality]:
     """Perplexity (and, with ``prompts``, greedy agreement with ``formats[0]``) of each KV
-    format on ``model`` at ``dtype``; ``engine`` goes to ``LLM`` unchanged."""
+    format on ``model`` at ``dtype``; ``engine`` goes to ``LLM`` (by default in the exact
+    mode, so that the formats are the only difference and nothing compiles)."""
     from kvpage import LLM
+
+    engine.setdefault("exact", not {"enforce_eager", "onednn_linears"} & set(engine))
 
     text = english_prose(max_chars)
     results: list[FormatQuality] = []

@@ -51,14 +51,16 @@ def _hf_generate(llm, prompts: list[str], max_tokens: int) -> tuple[list[str], f
 
 
 def run_demo(model: str = "smollm2-135m", num_prompts: int = 12, max_tokens: int = 48, compare_hf: bool = True,
-             dtype: str = "float32") -> int:
-    """Float32 by default: the demo checks greedy answers against HF ``generate`` one prompt at
-    a time, and only float32 is batch-invariant enough for that (bf16 rounding differs
-    between a batch of 12 and a batch of 1, so a few answers diverge after some tokens)."""
+             dtype: str = "float32", exact: bool = True) -> int:
+    """Float32 and the exact mode by default: the demo checks greedy answers against HF
+    ``generate`` one prompt at a time, and only float32 is batch-invariant enough for that
+    (bf16 rounding differs between a batch of 12 and a batch of 1, so a few answers diverge
+    after some tokens). ``exact=False`` runs the engine's default (fast) mode instead."""
     from kvpage import LLM, SamplingParams
 
-    print(f"Loading {model} ({dtype}) ...", flush=True)
-    llm = LLM(model, max_num_seqs=32, block_size=16, dtype=dtype)
+    mode = "exact" if exact else "fast"
+    print(f"Loading {model} ({dtype}, {mode} mode) ...", flush=True)
+    llm = LLM(model, max_num_seqs=32, block_size=16, dtype=dtype, exact=exact)
     questions = (QUESTIONS * (num_prompts // len(QUESTIONS) + 1))[:num_prompts]
     prompts = [_chat_prompt(llm.tokenizer, q) for q in questions]
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
@@ -72,7 +74,7 @@ def run_demo(model: str = "smollm2-135m", num_prompts: int = 12, max_tokens: int
     for question, out in list(zip(questions, outputs))[:4]:
         print(f"\nQ: {question}\nA: {out.outputs[0].text.strip()}")
     hit_rate = stats["prefix_cache_hits"] / max(stats["prefix_cache_queries"], 1)
-    print("\n=== kvpage (paged KV, continuous batching, prefix caching) ===")
+    print(f"\n=== kvpage (paged KV, continuous batching, prefix caching; {mode} mode) ===")
     print(f"requests: {len(prompts)}   generated tokens: {generated}   time: {elapsed:.2f} s   "
           f"throughput: {generated / elapsed:.1f} tok/s")
     print(f"KV blocks: {stats['num_blocks']}   peak usage: {stats['peak_kv_cache_usage']:.1%}   "
@@ -82,6 +84,7 @@ def run_demo(model: str = "smollm2-135m", num_prompts: int = 12, max_tokens: int
     assert stats["num_free_blocks"] == stats["num_blocks"], "blocks leaked"
 
     if compare_hf:
+        llm.restore()  # HF's own attention and linears (the fast mode swapped the linears)
         texts, hf_elapsed, hf_tokens = _hf_generate(llm, prompts, max_tokens)
         same = sum(t.strip() == o.outputs[0].text.strip() for t, o in zip(texts, outputs))
         print("\n=== plain HF generate (one prompt at a time) ===")

@@ -16,7 +16,7 @@ def _demo(args: argparse.Namespace) -> int:
     from kvpage.entrypoints.cli.demo import run_demo
 
     return run_demo(model=args.model, num_prompts=args.num_prompts, max_tokens=args.max_tokens,
-                    compare_hf=not args.no_compare, dtype=args.dtype)
+                    compare_hf=not args.no_compare, dtype=args.dtype, exact=args.mode == "exact")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--no-compare", action="store_true", help="skip the plain HF generate comparison")
     demo.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"],
                       help="float32 (default) keeps greedy answers comparable with HF one prompt at a time")
+    demo.add_argument("--mode", default="exact", choices=["exact", "fast"],
+                      help="exact (default): eager with torch's linears, so every answer can match HF generate; "
+                      "fast: the engine's default mode (compiled, oneDNN linears), to see how many still match")
     demo.set_defaults(func=_demo, subparser=demo)
     _add_optional_subcommands(sub)
     return parser

@@ -102,11 +102,15 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="longest sequence, prompt + output, in tokens (default: the model's limit)")
     p.add_argument("--attention-backend", default="auto", help="a registered attention backend: auto, cpu, cuda, "
                    "reference")
-    p.add_argument("--enforce-eager", action=bool_flag, default=EngineConfig().enforce_eager,
-                   help="run the model op by op, without graph compilation; takes an optional value")
-    p.add_argument("--onednn-linears", action=bool_flag, default=EngineConfig().onednn_linears,
-                   help="CPU: run the linears through oneDNN (faster; greedy results may then depend on "
-                   "batch composition at float rounding level); takes an optional value")
+    p.add_argument("--exact", action=bool_flag, default=False,
+                   help="greedy output identical to HF generate: eager, torch's linears (default: the fast "
+                   "mode, compiled with oneDNN linears on CPU); takes an optional value")
+    p.add_argument("--enforce-eager", action=bool_flag, default=None,
+                   help="run the model op by op, without graph compilation (default: compiled on CPU, "
+                   "cached on disk; eager on GPU and with --exact); takes an optional value")
+    p.add_argument("--onednn-linears", action=bool_flag, default=None,
+                   help="CPU: run the linears through oneDNN (default: on, off with --exact; greedy results "
+                   "may then depend on batch composition at float rounding level); takes an optional value")
     p.add_argument("--num-threads", type=int, default=None,
                    help="compute threads for torch and numba (default: the CPUs this process may use)")
     p.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",

@@ -93,9 +93,10 @@ def _start_engine(args: argparse.Namespace, model: str, config: EngineConfig) ->
     for warning in device_warnings(getattr(args, "explicit", set()), llm.device.type, config):
         log.warning("%s", warning)
     warmed = warm_up(llm)
+    compiled = llm.runner.compiled
     log.info("ready in %.1f s: engine built in %.1f s%s, warm-up %.1f s",
-             time.perf_counter() - start, built, "" if config.enforce_eager else " (compiled forward included)",
-             warmed)
+             time.perf_counter() - start, built,
+             "" if compiled is None else f" (compiling the forward: {compiled.compile_seconds:.1f} s)", warmed)
     return llm
 
 

@@ -13,6 +13,7 @@ from kvpage.core.sched.step_budget import AUTO_DECODE_MULTIPLE, AUTO_FLOOR_MS
 from kvpage.storage.sizing import kv_sizing_rule
 
 if TYPE_CHECKING:
+    from kvpage.adapters.hf_runner import HFModelRunner
     from kvpage.entrypoints.llm import LLM
 
 log = logging.getLogger("kvpage")
@@ -56,7 +57,21 @@ def engine_summary(llm: "LLM", config: EngineConfig) -> list[str]:
         f"scheduler: up to {sched.max_num_seqs} sequences and {sched.max_num_batched_tokens} tokens a step, "
         f"chunked prefill {'on' if sched.enable_chunked_prefill else 'off'}, "
         f"step-time target {step_target_summary(sched.max_step_ms)}",
+        mode_summary(runner),
     ]
+
+
+def mode_summary(runner: "HFModelRunner") -> str:
+    """How the model runs: compiled or eager, which linears, and whether greedy output is
+    HF ``generate``'s token for token (the exact mode)."""
+    compiled = runner.compiled
+    if compiled is None and not runner.onednn_linears:
+        return "mode: exact (eager, torch's linears): greedy output equals HF generate token for token"
+    parts = [f"compiled forward ({compiled.compile_seconds:.1f} s to compile or load from the cache)"
+             if compiled is not None else "eager"]
+    if runner.onednn_linears:
+        parts.append("oneDNN linears")
+    return f"mode: fast ({', '.join(parts)}); --exact for greedy output identical to HF generate"
 
 
 def warm_up(llm: "LLM") -> float:

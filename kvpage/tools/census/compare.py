@@ -99,7 +99,7 @@ def kvpage_greedy(model: torch.nn.Module, prompts: list[list[int]], max_new_toke
     # The pool holds at least one request of max_model_len tokens (the engine insists), and no more
     # than that in the stress mode, so that concurrent requests there must be preempted.
     options["num_kv_blocks"] = max(options["num_kv_blocks"], _blocks_for_one_request(model, max_model_len, options))
-    llm = LLM(model, dtype="float32", max_model_len=max_model_len, **options)
+    llm = LLM(model, dtype="float32", max_model_len=max_model_len, exact=True, **options)
     try:
         params = SamplingParams(max_tokens=max_new_tokens, temperature=0, ignore_eos=True)
         if mode == "stress":  # the prefix prompt first, alone: the others then hit its cached blocks
