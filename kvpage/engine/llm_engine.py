@@ -31,6 +31,7 @@ from kvpage.engine.output_processor import OutputProcessor, OutputSink, sequence
 from kvpage.engine.outputs import RequestOutput, StreamDelta
 from kvpage.engine.prompts import Prompt, PromptEncoder, with_eos_stops
 from kvpage.engine.step_stats import StepStats
+from kvpage.engine.step_timeline import StepTimeline, timeline_from_env
 from kvpage.engine.tier_steps import TierSteps
 from kvpage.platform.thread_governor import ThreadGovernor
 from kvpage.platform.threads import set_compute_threads
@@ -70,6 +71,7 @@ class LLMEngine:
         self.kv_event_publisher = kv_event_publisher
         self.compute_threads = compute_threads
         self.thread_governor = thread_governor
+        self.timeline: Optional[StepTimeline] = timeline_from_env()  # a diagnostic (step_timeline)
 
     def adopt_current_thread(self) -> None:
         """Call in a thread that is about to run ``step`` after another thread built or
@@ -173,6 +175,8 @@ class LLMEngine:
         """Run one scheduled step; return a delta for every sample that changed."""
         if self.thread_governor is not None:
             self.thread_governor.tick()  # in the thread that runs the forward: the counts are per thread
+        timeline = self.timeline
+        begin = timeline.mark() if timeline is not None else None
         if self._tiers is not None:
             self._tiers.report_results()
         output = self.scheduler.schedule()
@@ -181,13 +185,18 @@ class LLMEngine:
                 self._tiers.idle(output)  # disk reads for parked requests
             deltas: list[StreamDelta] = []
         else:
+            scheduled = timeline.mark() if timeline is not None else None
             started = time.perf_counter()
             logits, deltas = self._execute(output)
+            forwarded = timeline.mark() if timeline is not None else None
             if logits is not None:
                 deltas = self._postprocess(output, logits)
                 # The step-time budget learns this machine's cost per token from successful steps.
                 self.scheduler.observe_step(output.metadata.num_tokens, output.metadata.num_seqs,
                                             time.perf_counter() - started)
+            if timeline is not None:
+                timeline.record(begin, scheduled, forwarded, timeline.mark(), output.metadata.num_seqs,
+                                output.metadata.num_tokens)
         self._publish_kv_events()
         return deltas
 
@@ -254,7 +263,10 @@ class LLMEngine:
         return self.kv_tiers.flush(timeout_s) if self.kv_tiers is not None else True
 
     def close(self) -> None:
-        """Finish the disk tier's queued writes and stop the background threads (idempotent)."""
+        """Finish the disk tier's queued writes and stop the background threads (idempotent);
+        write the step timeline when one is recorded."""
+        if self.timeline is not None:
+            self.timeline.dump()
         if self.kv_tiers is not None:
             self.kv_tiers.close()
         if self.kv_event_publisher is not None:
