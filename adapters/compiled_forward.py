@@ -11,17 +11,14 @@ inductor, ``graph_passes`` makes sibling oneDNN linears (q/k/v, gate/up) one mat
 the rotary tables computed once per step.
 Compilation happens once, at engine start-up (``warm_up``), and inductor's caches live on
 disk under ``$KVPAGE_CACHE/inductor`` (``~/.cache/kvpage``), so a restart reuses the
-generated code. The entry for another thread count (a thread governor's lower count) is
-compiled only when first wanted, on a thread of its own while the steps go on
-(``compile_in_background``).
+generated code.
 """
 from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
-from typing import Callable, Optional
+from typing import Callable, Sequence
 
 import torch
 
@@ -85,11 +82,6 @@ class CompiledForward:
         self.warmed_up = False
         self.compile_seconds = 0.0  # set by warm_up
         self.skip_guards = SKIP_GUARDS  # cleared for good if a skipping call would have recompiled
-        # Held while a background compilation runs: a step that cannot take it checks its
-        # guards in full, because skipping them is process-wide state and would hand the
-        # compiling thread's probes the existing entry instead of compiling theirs.
-        self._compiling = threading.Lock()
-        self.background: Optional[threading.Thread] = None  # the latest compile_in_background
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         kwargs = dict(input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0), use_cache=False)
@@ -106,7 +98,7 @@ class CompiledForward:
         pad_s = padded_rows(num_rows) - num_rows
         if pad_s > 0:
             rows = torch.nn.functional.pad(rows, (0, pad_s))  # row 0 again; dropped below
-        if self.warmed_up and self.skip_guards and self._compiling.acquire(blocking=False):
+        if self.warmed_up and self.skip_guards:
             try:
                 with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
                     return self._compiled(input_ids, positions, rows)[:num_rows]
@@ -120,70 +112,39 @@ class CompiledForward:
                 log.warning("a step needed a new compiled entry (torch's global state changed after warm-up: "
                             "%s); compiling it, and checking guards on every step from now on",
                             str(exc).splitlines()[0])
-            finally:
-                self._compiling.release()
         return self._compiled(input_ids, positions, rows)[:num_rows]
 
-    def warm_up(self, run_probe: Callable[[Callable, int, int], None], max_decode_rows: int = 0) -> float:
-        """Compile now, for the calling thread's compute-thread count: ``run_probe(self, T,
-        S)`` runs one stubbed-attention forward of ``T`` tokens with logits for the last
-        ``S``. Then one such forward per decode bucket up to ``max_decode_rows`` (``T = S``),
-        so those steps find their matmul primitives built. Dynamo guards the graph on
-        torch's thread count: another count needs an entry of its own
-        (``compile_in_background``). Returns the seconds it took."""
+    def warm_up(self, run_probe: Callable[[Callable, int, int], None], max_decode_rows: int = 0,
+                other_thread_counts: Sequence[int] = ()) -> float:
+        """Compile now: ``run_probe(self, T, S)`` runs one stubbed-attention forward of ``T``
+        tokens with logits for the last ``S``. Then one such forward per decode bucket up to
+        ``max_decode_rows`` (``T = S``), so those steps find their matmul primitives built.
+        Then, for each of ``other_thread_counts``, the same under that many compute threads:
+        dynamo guards the graph on torch's thread count, so each count a thread governor may
+        switch to needs its own entry (compiled now rather than mid-run). Returns the seconds
+        it took."""
         from tqdm.auto import tqdm
+
+        from kvpage.platform.threads import set_compute_threads
 
         start = time.perf_counter()
         log.info("compiling the model forward with torch.compile (inductor); this takes a while on first use")
-        with tqdm(total=len(WARM_UP_TOKENS) + 1, desc="Compiling the model", unit="shape", leave=False) as bar:
-            self._run_warm_up_shapes(run_probe, max_decode_rows, bar.update)
+        counts = [torch.get_num_threads(), *other_thread_counts]
+        shapes = [(c, n) for c in counts for n in WARM_UP_TOKENS]
+        # Python floats (the layers' attention scales) stay constants of the graph: traced as
+        # symbols, inductor's scalar pass gives up on them after a whole compile and dynamo
+        # starts over, which cost SmolLM2 18 s of its start-up here.
+        try:
+            with torch._dynamo.config.patch(specialize_float=True):
+                for count, num_tokens in tqdm(shapes, desc="Compiling the model", unit="shape", leave=False):
+                    set_compute_threads(count)
+                    run_probe(self, num_tokens, 1)
+                    if num_tokens == WARM_UP_TOKENS[-1]:
+                        for rows in sorted({padded_rows(n) for n in range(1, max_decode_rows + 1)}):
+                            run_probe(self, rows, rows)
+        finally:
+            set_compute_threads(counts[0])
         self.warmed_up = True  # guards are checked in full until here (see SKIP_GUARDS)
         elapsed = self.compile_seconds = time.perf_counter() - start
         log.info("model forward compiled in %.1f s (cache: %s)", elapsed, os.environ["TORCHINDUCTOR_CACHE_DIR"])
         return elapsed
-
-    def _run_warm_up_shapes(self, run_probe: Callable[[Callable, int, int], None], max_decode_rows: int,
-                            progress: Callable[[], object] = lambda: None) -> None:
-        # Python floats (the layers' attention scales) stay constants of the graph: traced as
-        # symbols, inductor's scalar pass gives up on them after a whole compile and dynamo
-        # starts over, which cost SmolLM2 18 s of its start-up here.
-        with torch._dynamo.config.patch(specialize_float=True):
-            for num_tokens in WARM_UP_TOKENS:
-                run_probe(self, num_tokens, 1)
-                progress()
-            for rows in sorted({padded_rows(n) for n in range(1, max_decode_rows + 1)}):
-                run_probe(self, rows, rows)
-            progress()
-
-    def compile_in_background(self, run_probe: Callable[[Callable, int, int], None], num_threads: int,
-                              max_decode_rows: int, on_ready: Callable[[int], None]) -> bool:
-        """Compile the entry for ``num_threads`` compute threads (``warm_up``'s shapes) on a
-        daemon thread, then call ``on_ready(num_threads)``; returns False, starting nothing,
-        while another background compilation runs or before ``warm_up``.
-
-        The thread counts of torch (OpenMP) and numba are per thread, so the compiling
-        thread's count changes nothing for the steps, which go on meanwhile with full guard
-        checks (see ``__call__``); they share the CPUs and the interpreter with the compiler,
-        and are slower until it ends. A failure is logged and ``on_ready`` is not called."""
-        if not self.warmed_up or not self._compiling.acquire(blocking=False):
-            return False
-
-        def compile_entry() -> None:
-            from kvpage.platform.threads import set_compute_threads
-
-            start = time.perf_counter()
-            try:
-                set_compute_threads(num_threads)
-                self._run_warm_up_shapes(run_probe, max_decode_rows)
-            except Exception:  # a background thread has no caller to raise to
-                log.exception("compiling the forward for %d threads failed; the count stays unused", num_threads)
-                return
-            finally:
-                self._compiling.release()
-            log.info("compiled the forward for %d threads in %.1f s (in the background)", num_threads,
-                     time.perf_counter() - start)
-            on_ready(num_threads)
-
-        self.background = threading.Thread(target=compile_entry, name=f"kvpage-compile-{num_threads}", daemon=True)
-        self.background.start()
-        return True

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from typing import Callable, Optional
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -36,9 +36,6 @@ from .recurrent_state import (RecurrentStateSlots, StateEntry, chunked_prefill_i
                               state_argument)
 from .sparse_indexer import has_indexers
 from .takeover import Takeover, take_over, text_decoder_switchable
-
-#: Seconds ``restore`` waits for a background compilation to end before undoing the model's changes.
-BACKGROUND_COMPILE_WAIT_S = 300.0
 
 
 class UnsupportedModelError(ValueError):
@@ -229,25 +226,17 @@ class HFModelRunner:
                            **({"logits_to_keep": sampled_rows} if self._takes_logits_to_keep else {}))
         return probe
 
-    def compile(self, max_num_seqs: int = 0) -> float:
-        """Run every later step through ``torch.compile``; compiles now, for the current
-        thread count, and warms the decode steps of up to ``max_num_seqs`` sequences.
-        Returns the seconds taken. A model with an ``eager_reason`` (recurrent layers, DSA
-        indexers, ALiBi folded into its mask) stays eager, and this returns 0."""
+    def compile(self, max_num_seqs: int = 0, other_thread_counts: Sequence[int] = ()) -> float:
+        """Run every later step through ``torch.compile``; compiles now, and warms the
+        decode steps of up to ``max_num_seqs`` sequences, at the current thread count and at
+        each of ``other_thread_counts``. Returns the seconds taken.
+        A model with an ``eager_reason`` (recurrent layers, DSA indexers, ALiBi folded into
+        its mask) stays eager, and this returns 0."""
         if self.eager_reason is not None:
             return 0.0
         self.compiled = CompiledForward(self.model, self._takes_logits_to_keep)
-        return self.compiled.warm_up(self._compiled_probe, max_decode_rows=max_num_seqs)
-
-    def compile_in_background(self, num_threads: int, max_num_seqs: int, on_ready: Callable[[int], None]) -> bool:
-        """Compile the entry for ``num_threads`` threads while steps go on
-        (``CompiledForward.compile_in_background``); False when nothing was started."""
-        if self.compiled is None:
-            return False
-        return self.compiled.compile_in_background(self._compiled_probe, num_threads, max_num_seqs, on_ready)
-
-    def _compiled_probe(self, forward: CompiledForward, num_tokens: int, sampled_rows: int) -> None:
-        self.probe_forward(num_tokens, forward, sampled_rows=sampled_rows)
+        return self.compiled.warm_up(lambda forward, n, s: self.probe_forward(n, forward, sampled_rows=s),
+                                     max_decode_rows=max_num_seqs, other_thread_counts=other_thread_counts)
 
     def bind(self, kv_cache: PagedKVCache, backend: AttentionBackend) -> None:
         """Attach the paged KV buffers (a ``PagedKVCache``, with its KV groups) and the
@@ -370,10 +359,5 @@ class HFModelRunner:
         return self.model(**kwargs).logits[0][rows]
 
     def restore(self) -> None:
-        """Give the model back as it was: its attention implementation, modules and linears.
-        A background compilation (``compile_in_background``) probes the model: it is waited
-        for first, at most ``BACKGROUND_COMPILE_WAIT_S``."""
-        background = self.compiled.background if self.compiled is not None else None
-        if background is not None and background.is_alive():
-            background.join(BACKGROUND_COMPILE_WAIT_S)
+        """Give the model back as it was: its attention implementation, modules and linears."""
         self._undo.close()

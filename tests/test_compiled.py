@@ -83,11 +83,9 @@ def test_thread_count_change_after_warm_up_recompiles_instead_of_failing():
 
 
 @pytest.mark.slow
-def test_a_governed_compiled_engine_compiles_a_lower_count_in_the_background(monkeypatch):
-    """A governed compiled engine starts with an entry for its own thread count alone; the
-    entry at one thread fewer compiles on a thread of its own while requests are served (the
-    same tokens as before), after which the governor may use that count, and steps at it
-    compile nothing."""
+def test_governed_compiled_engine_has_an_entry_for_one_thread_fewer(monkeypatch):
+    """With a thread governor, the warm-up also compiles the graph at one thread fewer, so
+    the governor's switch under a busy neighbour never compiles mid-run."""
     from torch._dynamo.utils import counters
 
     from kvpage.platform.threads import configure_threads
@@ -97,22 +95,17 @@ def test_a_governed_compiled_engine_compiles_a_lower_count_in_the_background(mon
         pytest.skip("one CPU: nothing for a governor to lower")
     monkeypatch.setenv("KVPAGE_THREAD_GOVERNOR", "1")
     monkeypatch.delenv("KVPAGE_NUM_THREADS", raising=False)
+    # Beside a busy process the governor's first look may already have lowered torch's
+    # count, so the configured count, not torch's, names the two entries.
     llm = LLM(tiny_model("llama"), block_size=4, num_kv_blocks=64, max_model_len=48, max_num_seqs=4,
               enforce_eager=False)
     params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
     prompts = _prompts(5, (3, 9))
     try:
         governor = llm.engine.thread_governor
-        assert governor is not None and governor.counts == (threads,)
+        assert governor is not None and governor.counts == (threads - 1, threads)
         torch.set_num_threads(threads)
         before = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        # Beside a busy process the governor may have asked for the entry itself already.
-        llm.runner.compile_in_background(threads - 1, 4, on_ready=governor.allow)
-        assert not llm.runner.compile_in_background(threads - 1, 4, on_ready=governor.allow)  # one at a time
-        during = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        llm.runner.compiled.background.join(timeout=300)
-        assert governor.counts == (threads - 1, threads)
-        assert during == before and torch.get_num_threads() == threads  # the compiling thread's count was its own
         frames = counters["frames"]["ok"]
         torch.set_num_threads(threads - 1)  # what the governor's apply does
         after = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]

@@ -144,36 +144,3 @@ def test_a_governor_with_counts_only_moves_between_them():
         counters.advance(0.6, own_cores=5.0, other_cores=3.0)
         gov.tick()
     assert applied == [7] and gov.current == 7
-
-
-def test_a_count_without_an_entry_is_requested_once_and_used_once_allowed():
-    """A compiled engine's governor starts with its own count alone: a busy neighbour makes it
-    ask for an entry at one thread fewer (once, while the request stands) and keep its count;
-    once the entry is allowed, the next looks move to it."""
-    counters, applied, requests = _FakeCounters(), [], []
-    gov = ThreadGovernor(2, applied.append, cpus=[0, 1], interval_s=0.5, clock=lambda: counters.now,
-                         read_busy=lambda cpus: counters.busy, read_own=lambda: counters.own, counts=(2,))
-    gov._hz = 100
-    gov.request_count = lambda count, allow: requests.append((count, allow)) or True
-    for _ in range(4):
-        counters.advance(0.6, own_cores=1.0, other_cores=1.0)
-        assert gov.tick() == 2
-    assert [count for count, _ in requests] == [1] and not applied
-    requests[0][1](1)  # the entry is compiled
-    assert gov.counts == (1, 2)
-    for _ in range(2):
-        counters.advance(0.6, own_cores=1.0, other_cores=1.0)
-        gov.tick()
-    assert applied == [1] and gov.current == 1
-
-
-def test_a_refused_request_is_made_again_at_a_later_look():
-    counters, asked = _FakeCounters(), []
-    gov = ThreadGovernor(2, lambda count: None, cpus=[0, 1], interval_s=0.5, clock=lambda: counters.now,
-                         read_busy=lambda cpus: counters.busy, read_own=lambda: counters.own, counts=(2,))
-    gov._hz = 100
-    gov.request_count = lambda count, allow: asked.append(count) or len(asked) > 1  # busy the first time
-    for _ in range(3):
-        counters.advance(0.6, own_cores=1.0, other_cores=1.0)
-        gov.tick()
-    assert asked == [1, 1] and gov.counts == (2,)

@@ -25,7 +25,7 @@ from kvpage.storage.sizing import determine_num_blocks
 from kvpage.storage.spec import KVCacheSpec
 from kvpage.platform.malloc_tuning import keep_freed_memory
 from kvpage.engine.sampler import Sampler
-from kvpage.platform.thread_governor import governor_for
+from kvpage.platform.thread_governor import governor_for, governor_wanted
 from kvpage.platform.threads import configure_threads, set_compute_threads
 from kvpage.storage.tiers import open_kv_tiers
 
@@ -250,14 +250,19 @@ def build_hf_engine(model: torch.nn.Module, tokenizer: Any, config: EngineConfig
     runner = HFModelRunner(model, onednn_linears=config.uses_onednn)
     if runner.device.type == "cpu":
         keep_freed_memory()
+    # A compiled graph keeps the thread count it was compiled with (see thread_governor):
+    # the governor of a compiled engine moves between this count and one thread fewer, and
+    # both get their compiled entry at start-up.
+    governed = runner.device.type == "cpu" and governor_wanted(config.num_threads, num_threads)
+    fallback_threads = (num_threads - 1,) if governed else ()
     try:
         max_model_len = resolve_max_model_len(model, config)
         config = stateful_config(runner, config)
         spec, scheduler = _bind_kv_cache(runner, config, max_model_len)
-        _compile(runner, config)
+        _compile(runner, config, fallback_threads)
         kv_tiers = open_kv_tiers(scheduler.tiers, config, spec, runner.kv_cache, model)
         publisher = _kv_event_publisher(config, scheduler)
-        threads = _engine_threads(runner, config, num_threads)
+        threads = _engine_threads(runner, config, num_threads, fallback_threads)
         eos = eos_token_ids(model, tokenizer)
         engine = LLMEngine(runner, Sampler(config.seed, eos_token_ids=eos), tokenizer, scheduler, vocab_size(model),
                            eos, kv_tiers=kv_tiers, kv_event_publisher=publisher, **threads)
@@ -267,21 +272,15 @@ def build_hf_engine(model: torch.nn.Module, tokenizer: Any, config: EngineConfig
         raise
 
 
-def _engine_threads(runner: HFModelRunner, config: EngineConfig, num_threads: int) -> dict:
+def _engine_threads(runner: HFModelRunner, config: EngineConfig, num_threads: int,
+                    fallback_threads: tuple) -> dict:
     """A CPU engine's ``compute_threads`` and ``thread_governor`` (nothing on a GPU). Made
-    after compilation: the governor's first look may lower the count at once. A compiled
-    graph keeps the thread count it was compiled with (see thread_governor): the governor of
-    a compiled engine starts with that count alone, and another count it wants is compiled
-    in the background, then allowed."""
+    after compilation: the governor's first look may lower the count at once."""
     if runner.device.type != "cpu":
         return {}
-    if runner.compiled is None:
-        governor = governor_for(config.num_threads, num_threads, set_compute_threads)
-    else:
-        governor = governor_for(config.num_threads, num_threads, set_compute_threads, (num_threads,),
-                                request_count=lambda count, allow: runner.compile_in_background(
-                                    count, config.max_num_seqs, on_ready=allow))
-    return {"compute_threads": num_threads, "thread_governor": governor}
+    counts = None if runner.compiled is None else (num_threads, *fallback_threads)
+    return {"compute_threads": num_threads,
+            "thread_governor": governor_for(config.num_threads, num_threads, set_compute_threads, counts)}
 
 
 def _kv_event_publisher(config: EngineConfig, scheduler: Scheduler) -> Optional[KVEventPublisher]:
@@ -363,11 +362,11 @@ def _bind_kv_cache(runner: HFModelRunner, config: EngineConfig, max_model_len: i
     return spec, scheduler
 
 
-def _compile(runner: HFModelRunner, config: EngineConfig) -> None:
+def _compile(runner: HFModelRunner, config: EngineConfig, other_thread_counts: tuple) -> None:
     """Compile the forward unless the config or the model rules it out (logged)."""
     if not config.compiles(runner.device.type):
         return
     if runner.eager_reason is not None:
         log.info("compilation off: %s", runner.eager_reason)
     else:
-        runner.compile(config.max_num_seqs)
+        runner.compile(config.max_num_seqs, other_thread_counts)

@@ -13,10 +13,8 @@ does not make it flap; only the look the engine takes when it starts applies at 
 Only when the engine sized its threads itself (no ``num_threads`` given) and
 ``KVPAGE_THREAD_GOVERNOR`` is not ``0``; Linux only. A compiled graph keeps the thread
 count it was compiled with (inductor's kernels fix it, and dynamo guards on it), so a
-compiled engine's governor moves only between the counts that have an entry (``counts``):
-the first time it wants another, it asks for one (``request_count``: the engine compiles it
-in the background, never in a step) and keeps its count until ``allow`` adds it. Torch-free
-at import.
+compiled engine compiles a second entry at start-up for one thread fewer and its governor
+moves only between those two counts (``counts``): never a compile mid-run. Torch-free at import.
 """
 from __future__ import annotations
 
@@ -71,11 +69,7 @@ def nearest_allowed(target: int, counts: Optional[Sequence[int]]) -> int:
 
 class ThreadGovernor:
     """Call ``tick()`` between steps; it adjusts ``apply(count)`` at most every ``interval_s``,
-    to one of ``counts`` when given (the thread counts a compiled graph has entries for).
-    With ``counts``, a wanted count outside them is passed once to ``request_count(count,
-    allow)`` (when set); it returns whether it took the request (False: asked again at a
-    later look), and whoever took it calls ``allow(count)`` when the count may be used, from
-    any thread."""
+    to one of ``counts`` when given (the thread counts a compiled graph has entries for)."""
 
     def __init__(self, max_threads: int, apply: Callable[[int], None], cpus: Optional[Sequence[int]] = None,
                  interval_s: float = CHECK_INTERVAL_S, clock: Callable[[], float] = time.monotonic,
@@ -90,8 +84,6 @@ class ThreadGovernor:
         self._clock, self._read_busy, self._read_own = clock, read_busy, read_own
         self._hz = os.sysconf("SC_CLK_TCK")
         self._pending: Optional[int] = None
-        self.request_count: Optional[Callable[[int, Callable[[int], None]], bool]] = None
-        self._requested: set[int] = set()
         self._last = self._sample()  # the first window starts now, not at the first step
         self.num_changes = 0
 
@@ -130,17 +122,7 @@ class ThreadGovernor:
         """The count the window between two samples asks for, and the cores others kept busy."""
         seconds = max(sample[0] - previous[0], 1e-9)
         others = ((sample[1] - previous[1]) - (sample[2] - previous[2])) / (self._hz * seconds)
-        wanted = threads_for(len(self._cpus), others, self.max_threads)
-        counts = self.counts
-        if counts and wanted not in counts and wanted not in self._requested and self.request_count is not None:
-            if self.request_count(wanted, self.allow):
-                self._requested.add(wanted)
-        return nearest_allowed(wanted, counts), others
-
-    def allow(self, count: int) -> None:
-        """Add ``count`` to ``counts`` (a compiled entry for it is ready); later looks may pick it."""
-        if self.counts is not None:
-            self.counts = tuple(sorted({*self.counts, count}))  # one assignment: safe from another thread
+        return nearest_allowed(threads_for(len(self._cpus), others, self.max_threads), self.counts), others
 
     def _change(self, target: int, others: float) -> None:
         log.info("compute threads: %d -> %d (%.1f of %d CPUs busy with other work)", self.current, target,
@@ -160,18 +142,14 @@ def governor_wanted(requested: Optional[int], count: int) -> bool:
 
 
 def governor_for(requested: Optional[int], count: int, apply: Callable[[int], None],
-                 counts: Optional[Sequence[int]] = None,
-                 request_count: Optional[Callable[[int, Callable[[int], None]], bool]] = None
-                 ) -> Optional[ThreadGovernor]:
-    """A governor when ``governor_wanted``, else None; ``counts`` and ``request_count`` as
-    ``ThreadGovernor``'s. It takes its first look before it returns (``FIRST_LOOK_S`` of
-    start-up)."""
+                 counts: Optional[Sequence[int]] = None) -> Optional[ThreadGovernor]:
+    """A governor when ``governor_wanted``, else None; ``counts`` as ``ThreadGovernor``'s. It
+    takes its first look before it returns (``FIRST_LOOK_S`` of start-up)."""
     if not governor_wanted(requested, count):
         return None
     try:
         governor = ThreadGovernor(count, apply, counts=counts)
     except (OSError, AttributeError):
         return None
-    governor.request_count = request_count
     governor.first_look()
     return governor
