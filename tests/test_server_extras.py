@@ -95,7 +95,7 @@ def test_startup_log_names_model_device_threads_and_kv_rule(server):
     assert f"KV cache: {NUM_BLOCKS} blocks of 4 tokens" in log and "sized by the explicit count rule" in log
     assert "warming up" in log and "warm-up done in" in log
     assert re.search(r"scheduler: up to \d+ sequences and \d+ tokens a step, chunked prefill on, "
-                     r"step-time target auto \(3x the decodes' cost, at least 50 ms\)", log)
+                     r"step-time target auto \(6x the decodes' cost, at least 50 ms\)", log)
     assert re.search(r"ready in [\d.]+ s: engine built in [\d.]+ s, warm-up [\d.]+ s", log)
     assert "does not apply" not in log  # --gpu-memory-utilization was not given
 

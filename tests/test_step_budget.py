@@ -137,7 +137,7 @@ class LinearCost(FixedExtra):
 def test_the_auto_target_is_a_multiple_of_the_decodes_cost(decodes, limit):
     """Steps cost 10 ms + 1 ms a token."""
     budget = step_budget("auto", BS, 256, LinearCost(0.010, 0.001))
-    assert budget.decode_multiple == AUTO_DECODE_MULTIPLE == 3.0 and budget.target_s == AUTO_FLOOR_MS / 1e3
+    assert budget.decode_multiple == AUTO_DECODE_MULTIPLE == 6.0 and budget.target_s == AUTO_FLOOR_MS / 1e3
     assert budget.limit(decodes, decodes) == limit
 
 

@@ -118,7 +118,7 @@ class SchedulerConfig:
             chunks get the tokens that the step cost measured on this machine leaves within
             it after the decodes, at least one block and at most ``max_num_batched_tokens``
             (``step_budget``). A step without decodes keeps the full budget. ``"auto"``: a
-            target of three times the decodes' own cost, at least 50 ms (``kvpage serve``'s
+            target of six times the decodes' own cost, at least 50 ms (``kvpage serve``'s
             default). ``None``: off, the static budget alone. Needs ``enable_chunked_prefill``.
     """
 

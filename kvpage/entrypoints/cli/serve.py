@@ -87,7 +87,7 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="target duration of a step while streams are decoding: prompt chunks get the tokens "
                         "that the step cost measured on this machine leaves after the decodes (at least one "
                         "block, at most --max-num-batched-tokens), which bounds inter-token latency; steps "
-                        "without decodes keep the full budget; 'auto': three times the decodes' own cost, at least "
+                        "without decodes keep the full budget; 'auto': six times the decodes' own cost, at least "
                         "50 ms; 'off': the static budget alone (default: auto with chunked prefill, else off)")
     p.add_argument("--enable-chunked-prefill", action=bool_flag, default=True,
                    help="split long prompts into chunks that share steps with decodes; takes an optional value")
