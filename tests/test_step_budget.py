@@ -129,14 +129,13 @@ class LinearCost(FixedExtra):
 
 
 @pytest.mark.parametrize("decodes, limit", [
-    (5, 5 + 35),     # decodes cost 10 + 5 = 15 ms, under the 50 ms floor: 35 ms (tokens) of prefill
-    (16, 16 + 26 * 2),  # 26 ms of decodes: a 78 ms target leaves them 52 tokens of prefill
-    (40, 40 + 100),  # 50 ms: a 150 ms target, 100 tokens
-    (100, 256),      # 110 ms: the static cap
+    (2, 2 + 90),      # decodes cost 4 + 1 = 5 ms; 6x is under the 50 ms floor: 45 ms (90 tokens) of prefill
+    (16, 16 + 120),   # 12 ms of decodes: a 72 ms target leaves them 60 ms, 120 tokens of prefill
+    (100, 256),       # 54 ms: a 324 ms target would take 540 tokens; the static cap holds
 ])
 def test_the_auto_target_is_a_multiple_of_the_decodes_cost(decodes, limit):
-    """Steps cost 10 ms + 1 ms a token."""
-    budget = step_budget("auto", BS, 256, LinearCost(0.010, 0.001))
+    """Steps cost 4 ms + 0.5 ms a token."""
+    budget = step_budget("auto", BS, 256, LinearCost(0.004, 0.0005))
     assert budget.decode_multiple == AUTO_DECODE_MULTIPLE == 6.0 and budget.target_s == AUTO_FLOOR_MS / 1e3
     assert budget.limit(decodes, decodes) == limit
 
