@@ -79,23 +79,34 @@ def run_variant(name: str, flags: list[str], args: argparse.Namespace, prompts: 
     return {"variant": name, "flags": flags, **result}
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_workload_args(parser: argparse.ArgumentParser, port: int, out: str) -> None:
+    """The model, server flags and random-prompt workload options this script and
+    ``step_timeline.py`` share (``random_prompts`` draws the prompts)."""
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--server-args", default="", help="flags every variant's server gets (space-separated)")
-    parser.add_argument("--variant", action="append", default=None,
-                        help="NAME=FLAG,VALUE,... (repeatable; default: one variant with no extra flags)")
+    parser.add_argument("--server-args", default="", help="flags every server gets (space-separated)")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--vocab", type=int, default=40000, help="random prompt ids are drawn below this")
-    parser.add_argument("--port", type=int, default=8123)
+    parser.add_argument("--port", type=int, default=port)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=Path("bench_out/bench_online_itl.json"))
-    args = parser.parse_args(argv)
+    parser.add_argument("--out", type=Path, default=Path(out))
+
+
+def random_prompts(args: argparse.Namespace) -> list[list[int]]:
+    """``--num-prompts`` prompts of ``--input-len`` token ids drawn from ``[100, --vocab)``."""
     rng = np.random.default_rng(args.seed)
-    prompts = [rng.integers(100, args.vocab, size=args.input_len).tolist() for _ in range(args.num_prompts)]
+    return [rng.integers(100, args.vocab, size=args.input_len).tolist() for _ in range(args.num_prompts)]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_workload_args(parser, port=8123, out="bench_out/bench_online_itl.json")
+    parser.add_argument("--variant", action="append", default=None,
+                        help="NAME=FLAG,VALUE,... (repeatable; default: one variant with no extra flags)")
+    args = parser.parse_args(argv)
+    prompts = random_prompts(args)
     variants = []
     for spec in args.variant or ["default="]:
         name, _, flags = spec.partition("=")

@@ -30,9 +30,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
-
-from bench_online_itl import _drive  # benchmarks/ is on sys.path when run as a script
+from bench_online_itl import _drive, add_workload_args, random_prompts  # benchmarks/ is on sys.path
 from bench_vs_vllm import _start_server
 
 ROWS = ("steps", "mean_seqs", "mean_tokens", "wall_ms", "schedule_ms", "forward_ms", "post_ms", "engine_cpu_ms",
@@ -84,21 +82,11 @@ def table(result: dict, kind: str) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="smollm2-135m")
+    add_workload_args(parser, port=8124, out="bench_out/step_timeline.json")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--exact", action="store_true", help="both sides in the exact mode (default: the fast mode)")
-    parser.add_argument("--server-args", default="", help="extra kvpage serve flags (space-separated)")
-    parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--input-len", type=int, default=256)
-    parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--vocab", type=int, default=40000, help="random prompt ids are drawn below this")
-    parser.add_argument("--port", type=int, default=8124)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=Path("bench_out/step_timeline.json"))
     args = parser.parse_args(argv)
-    rng = np.random.default_rng(args.seed)
-    prompts = [rng.integers(100, args.vocab, size=args.input_len).tolist() for _ in range(args.num_prompts)]
+    prompts = random_prompts(args)
     result = {"workload": {k: getattr(args, k) for k in ("model", "dtype", "exact", "server_args", "num_prompts",
                                                          "input_len", "output_len", "concurrency", "seed")},
               "offline": offline(args, prompts)}

@@ -13,8 +13,9 @@ work in that window (compute-pool workers, the event loop, tokenizers).
 
 ``KVPAGE_STEP_TIMELINE=FILE`` makes every engine of the process record its steps
 (``timeline_from_env``) and write them as JSON lines to ``FILE`` when it closes or the
-process exits (several engines: ``FILE`` gets a ``.N`` suffix from the second on). Recording costs four clock
-reads a step. ``summarize`` reduces records to means per kind of step.
+process exits (several engines: ``FILE`` gets a ``.N`` suffix from the second on).
+Recording costs twelve clock reads a step (three clocks at four marks). ``summarize``
+reduces records to means per kind of step.
 """
 from __future__ import annotations
 
