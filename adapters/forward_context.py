@@ -85,14 +85,15 @@ class StepContext:
     """A real step's forward. ``calls[i]`` is the site of the forward's ``i``-th attention
     call (bound: buffers set); ``prepared[g]`` is the backend's view of the step for KV group
     ``g`` (one entry without hybrid groups); ``metadata`` the step's, for sites that read it
-    whole (selected-key attention, DSA indexers). Rows past ``num_real_tokens`` are compile
+    whole (selected-key attention, DSA indexers; None in a forward captured for replay,
+    whose steps such sites never run). Rows past ``num_real_tokens`` are compile
     padding. ``layers_called`` counts the forward's calls, so the runner can tell whether
     some call bypassed kvpage attention."""
 
     calls: Sequence[AttentionSite]
     backend: AttentionBackend
     prepared: Sequence[Any]
-    metadata: StepMetadata
+    metadata: Optional[StepMetadata]
     num_real_tokens: int
     mask_placeholder: bool = False  # hand the model ``MASK_PLACEHOLDER`` for its mask (see hf_attention)
     layers_called: int = 0

@@ -27,6 +27,8 @@ from kvpage.storage.paged_cache import PagedKVCache
 from kvpage.storage.spec import LayerKVSpec
 
 from .compiled_forward import CompiledForward
+from .decode_graphs import (CudaGraphCapture, DecodeGraphs, GraphCapture, StaticDecodeBuffers, capture_decode_graphs,
+                            capture_sizes)
 from .families import needs_port, port_refusal
 from .forward_context import AttentionBackend, AttentionSite, ProbeContext, StepContext, forward_context
 from .layer_kinds import attention_modules, attention_modules_of_layer, unsupported_layer_reason
@@ -108,6 +110,7 @@ class HFModelRunner:
         self.kv_cache: Optional[PagedKVCache] = None
         self.backend: Optional[AttentionBackend] = None
         self.compiled: Optional[CompiledForward] = None  # set by compile()
+        self.decode_graphs: Optional[DecodeGraphs] = None  # set by capture_decode_graphs()
         self.sites: list[AttentionSite] = []
         self._calls: list[AttentionSite] = []  # the site of each attention call of a forward, in call order
         self._undo = contextlib.ExitStack()  # the changes made to the model, undone by restore()
@@ -238,6 +241,59 @@ class HFModelRunner:
         return self.compiled.warm_up(lambda forward, n, s: self.probe_forward(n, forward, sampled_rows=s),
                                      max_decode_rows=max_num_seqs, other_thread_counts=other_thread_counts)
 
+    def graph_refusal(self, capture: Optional[GraphCapture] = None) -> Optional[str]:
+        """Why this runner's decode steps cannot be captured in graphs (None: they can), once
+        bound; ``capture`` None means CUDA graphs."""
+        if capture is None and self.device.type != "cuda":
+            return "CUDA graphs need the model on a CUDA device"
+        if self.backend is None or getattr(self.backend, "prepare_graphed", None) is None:
+            return f"the {getattr(self.backend, 'name', 'unbound')} attention backend has no graphed decode"
+        if self.state_layout:
+            return "recurrent layers run their steps as several forwards"
+        if any(site.spec.attention_chunk or site.alibi_slopes is not None for site in self.sites):
+            return "chunked attention and ALiBi run on the eager path"
+        if has_indexers(self.model):
+            return "DSA indexers select keys on the host"
+        return None
+
+    def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int,
+                              capture: Optional[GraphCapture] = None) -> float:
+        """Capture the decode steps of 1 to ``max_num_seqs`` sequences (``capture_sizes``) of
+        contexts up to ``max_model_len``, through ``capture`` (None: CUDA graphs); later
+        decode steps that fit replay them. Refuses (``ValueError``) when ``graph_refusal``
+        names a reason; ``RuntimeError`` when a replay does not match its eager forward.
+        Returns the seconds taken."""
+        import time
+
+        reason = self.graph_refusal(capture)
+        if reason is not None:
+            raise ValueError(f"decode graphs: {reason}")
+        start = time.perf_counter()
+        sizes = capture_sizes(max_num_seqs)
+        width = -(-int(max_model_len) // self.kv_cache.spec.block_size)
+        groups = 1 if self.kv_cache.groups is None else self.kv_cache.groups.num_groups
+        buffers = StaticDecodeBuffers(sizes[-1], groups, width, self.device)
+        with torch.inference_mode():
+            self.decode_graphs = capture_decode_graphs(
+                lambda size: self._graphed_forward(buffers, size, int(max_model_len)), buffers, sizes,
+                capture or CudaGraphCapture(self.device))
+        return time.perf_counter() - start
+
+    def _graphed_forward(self, buffers: StaticDecodeBuffers, size: int, max_seq_len: int):
+        """The decode forward of a ``size``-row bucket over ``buffers``, as a closure to capture."""
+        ids, positions, rows = buffers.inputs(size)
+        prepared = [self.backend.prepare_graphed(indices) for indices in buffers.indices(size, max_seq_len)]
+        forward = self.compiled or self._eager_forward
+
+        def run() -> torch.Tensor:
+            context = StepContext(self._calls, self.backend, prepared, None, size, self.takeover.mask_placeholder)
+            with forward_context(context):
+                logits = forward(ids, positions, rows)
+            self._check_every_call_made(context)
+            return logits
+
+        return run
+
     def bind(self, kv_cache: PagedKVCache, backend: AttentionBackend) -> None:
         """Attach the paged KV buffers (a ``PagedKVCache``, with its KV groups) and the
         attention backend: each site gets its buffers, KV group and ALiBi slopes."""
@@ -279,6 +335,8 @@ class HFModelRunner:
             self.kv_cache.copy_blocks(metadata.block_copies)  # copy-on-write, before any KV write
         if self.state_slots is not None:
             return self._execute_stateful(metadata)
+        if self.decode_graphs is not None and self.decode_graphs.serves(metadata):
+            return self.decode_graphs.run(metadata).float()
         device = self.device
         input_ids = torch.as_tensor(metadata.input_ids, device=device)
         positions = torch.as_tensor(metadata.positions, device=device)

@@ -163,18 +163,22 @@ def test_waiting_queue_limit():
     assert s.num_waiting == 2 and "c" not in s.requests
 
 
-def test_the_default_mode_compiles_on_cpu_with_onednn_and_stays_eager_on_gpu(monkeypatch):
+def test_the_default_mode_compiles_on_cpu_with_onednn_and_replays_decode_graphs_on_gpu(monkeypatch):
     monkeypatch.setenv("KVPAGE_EXACT", "0")
     config = EngineConfig()
     assert (config.compiles("cpu"), config.compiles("cuda"), config.uses_onednn) == (True, False, True)
+    assert (config.captures_graphs("cpu"), config.captures_graphs("cuda")) == (False, True)
     eager = EngineConfig(enforce_eager=True, onednn_linears=False)
-    assert (eager.compiles("cpu"), eager.uses_onednn) == (False, False)
+    assert (eager.compiles("cpu"), eager.uses_onednn, eager.captures_graphs("cuda")) == (False, False, False)
+    compiled = EngineConfig(enforce_eager=False)
+    assert (compiled.compiles("cuda"), compiled.captures_graphs("cuda")) == (True, True)
 
 
 def test_the_exact_mode_is_eager_with_torch_linears(monkeypatch):
     monkeypatch.setenv("KVPAGE_EXACT", "0")
     config = EngineConfig(exact=True)
     assert (config.compiles("cpu"), config.compiles("cuda"), config.uses_onednn) == (False, False, False)
+    assert not config.captures_graphs("cuda")
     assert EngineConfig(exact=True, enforce_eager=True, onednn_linears=False).exact_mode
 
 
@@ -193,5 +197,6 @@ def test_mode_switches_must_be_booleans(field):
 def test_the_environment_exact_mode_sets_defaults_but_keeps_explicit_settings(monkeypatch):
     monkeypatch.setenv("KVPAGE_EXACT", "1")
     assert (EngineConfig().compiles("cpu"), EngineConfig().uses_onednn) == (False, False)
+    assert not EngineConfig().captures_graphs("cuda")
     asked = EngineConfig(enforce_eager=False, onednn_linears=True)
     assert (asked.compiles("cpu"), asked.uses_onednn) == (True, True)

@@ -52,3 +52,15 @@ def test_report_rows_carry_the_documented_fields() -> None:
            "sdpa_frac_peak": None}
     report = dict(gpu_check_report.base_report("GPU"), rows=[row])
     assert "| 32 | 2048 | fp16 | fast |" in gpu_check_report.markdown(report)
+
+
+def test_decode_step_host_benchmark_skips_cleanly_without_a_gpu(tmp_path: Path) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: gpu_check.sh runs the benchmark for real")
+    proc = subprocess.run([sys.executable, "-P", str(ROOT / "benchmarks" / "decode_step_host.py"), str(tmp_path)],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("SKIP decode step host time")
+    assert not (tmp_path / "decode_step_host.json").exists()

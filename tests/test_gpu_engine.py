@@ -48,3 +48,28 @@ def test_gpu_memory_utilization_sizes_the_pool():
         assert 0 < llm.stats()["num_blocks"] * llm.runner.kv_cache.spec.bytes_per_block <= 0.05 * total
     finally:
         llm.restore()
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])  # gemma2: softcap, sliding and full KV groups
+def test_decode_steps_replay_cuda_graphs_and_match_hf(family, monkeypatch):
+    monkeypatch.setenv("KVPAGE_EXACT", "0")  # the default mode: decode steps replay CUDA graphs
+    model = tiny_model(family).cuda()
+    g = torch.Generator().manual_seed(12)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (1, 5, 17, 33, 9)]
+    max_tokens = [4, 12, 7, 16, 9]  # sequences leave at different steps: the batch walks down the buckets
+    expected = [hf_greedy(model, p, n) for p, n in zip(prompts, max_tokens)]
+    llm = LLM(model, block_size=16, num_kv_blocks=64, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=32)
+    try:
+        graphs = llm.runner.decode_graphs
+        assert graphs is not None, "decode graphs were not captured (see the engine's warning)"
+        served = []
+        run = graphs.run
+        graphs.run = lambda metadata: served.append(metadata.num_seqs) or run(metadata)
+        params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in max_tokens]
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        assert len(served) >= 10, served
+        stats = llm.stats()
+        assert stats["num_free_blocks"] == stats["num_blocks"]
+    finally:
+        llm.restore()

@@ -189,9 +189,11 @@ class EngineConfig:
             op with torch's own linears (``enforce_eager=True, onednn_linears=False``). Off by
             default, as in vLLM: the default is the fast mode below. Contradicting it with
             ``enforce_eager=False`` or ``onednn_linears=True`` is a ``ValueError``.
-        enforce_eager: run the model op by op (no graph compilation; vLLM's flag). ``None``
-            (default): compiled on CPU (``torch.compile``, cached on disk, so a second start
-            compiles nothing), eager on GPU; eager in the exact mode.
+        enforce_eager: run the model op by op (no graph compilation, no CUDA graphs; vLLM's
+            flag). ``None`` (default): compiled on CPU (``torch.compile``, cached on disk, so
+            a second start compiles nothing); on GPU the forward runs eagerly and decode
+            steps replay CUDA graphs captured at start-up (``captures_graphs``); eager in the
+            exact mode. ``False`` on GPU also compiles the forward.
         onednn_linears: on CPU, run the model's linears through oneDNN on reordered weights.
             ``None`` (default): on, unless in the exact mode. oneDNN picks its kernels by the
             batch's row count, so a near-tie greedy token can differ with what else is in
@@ -273,8 +275,15 @@ class EngineConfig:
         """Whether the forward is compiled on a ``device_type`` ("cpu", "cuda") device."""
         if self.enforce_eager is not None:
             return not self.enforce_eager
-        # GPU steps stay eager until graph-captured steps are measured on hardware.
+        # On GPU the default is eager ops with graph-captured decode steps (captures_graphs).
         return device_type == "cpu" and not self.exact_mode
+
+    def captures_graphs(self, device_type: str) -> bool:
+        """Whether decode steps on a ``device_type`` device replay CUDA graphs: on GPU, unless
+        ``enforce_eager`` or the exact mode (explicit ``enforce_eager=False`` included)."""
+        if device_type != "cuda" or self.enforce_eager:
+            return False
+        return self.enforce_eager is False or not self.exact_mode
 
     @property
     def uses_onednn(self) -> bool:

@@ -260,6 +260,7 @@ def build_hf_engine(model: torch.nn.Module, tokenizer: Any, config: EngineConfig
         config = stateful_config(runner, config)
         spec, scheduler = _bind_kv_cache(runner, config, max_model_len)
         _compile(runner, config, fallback_threads)
+        _capture_graphs(runner, config, max_model_len)
         kv_tiers = open_kv_tiers(scheduler.tiers, config, spec, runner.kv_cache, model)
         publisher = _kv_event_publisher(config, scheduler)
         threads = _engine_threads(runner, config, num_threads, fallback_threads)
@@ -360,6 +361,26 @@ def _bind_kv_cache(runner: HFModelRunner, config: EngineConfig, max_model_len: i
     storage = "cupy" if runner.device.type == "cuda" else "torch"
     runner.bind(PagedKVCache(spec, cache_config.num_blocks, backend=storage, groups=groups), backend)
     return spec, scheduler
+
+
+def _capture_graphs(runner: HFModelRunner, config: EngineConfig, max_model_len: int) -> None:
+    """Capture the decode steps in CUDA graphs where the config asks for them and the model
+    allows; a capture that fails (or replays unlike its eager forward) is logged and the
+    steps run eagerly."""
+    if not config.captures_graphs(runner.device.type):
+        return
+    reason = runner.graph_refusal()
+    if reason is not None:
+        log.info("CUDA graphs off: %s", reason)
+        return
+    try:
+        seconds = runner.capture_decode_graphs(config.max_num_seqs, max_model_len)
+    except Exception as exc:  # noqa: BLE001 - the driver's refusal or a failed check: eager is still correct
+        runner.decode_graphs = None
+        log.warning("CUDA graphs off, decode steps run eagerly: capture failed (%s: %s)", type(exc).__name__, exc)
+        return
+    sizes = runner.decode_graphs.sizes
+    log.info("decode steps of 1-%d sequences captured in %d CUDA graphs in %.1f s", sizes[-1], len(sizes), seconds)
 
 
 def _compile(runner: HFModelRunner, config: EngineConfig, other_thread_counts: tuple) -> None:

@@ -62,15 +62,17 @@ def engine_summary(llm: "LLM", config: EngineConfig) -> list[str]:
 
 
 def mode_summary(runner: "HFModelRunner") -> str:
-    """How the model runs: compiled or eager, which linears, and whether greedy output is
-    HF ``generate``'s token for token (the exact mode)."""
-    compiled = runner.compiled
-    if compiled is None and not runner.onednn_linears:
+    """How the model runs: compiled or eager, which linears, CUDA graphs, and whether greedy
+    output is HF ``generate``'s token for token (the exact mode)."""
+    compiled, graphs = runner.compiled, runner.decode_graphs
+    if compiled is None and not runner.onednn_linears and graphs is None:
         return "mode: exact (eager, torch's linears): greedy output equals HF generate token for token"
     parts = [f"compiled forward ({compiled.compile_seconds:.1f} s to compile or load from the cache)"
              if compiled is not None else "eager"]
     if runner.onednn_linears:
         parts.append("oneDNN linears")
+    if graphs is not None:
+        parts.append(f"decode steps of 1-{graphs.sizes[-1]} sequences replayed from {len(graphs.sizes)} CUDA graphs")
     return f"mode: fast ({', '.join(parts)}); --exact for greedy output identical to HF generate"
 
 
