@@ -78,18 +78,68 @@ def numpy_dtype(x: Any) -> np.dtype:
     return np.dtype(x.dtype)
 
 
+#: Kernel-argument views kept per process before the cache starts over (``as_kernel_arg``).
+MAX_ARG_VIEWS = 4096
+_ARG_VIEWS: dict = {}
+_STREAMS: dict = {}
+
+
+def _layout_key(x: Any, kind: str) -> Optional[tuple]:
+    """What a zero-copy view of ``x`` depends on: its device, address, shape, strides and
+    dtype (None for a library whose arrays are not cached)."""
+    if kind == TORCH:
+        return (TORCH, x.get_device(), x.data_ptr(), tuple(x.shape), x.stride(), x.dtype)
+    if kind == CUPY:
+        return (CUPY, x.device.id, x.data.ptr, x.shape, x.strides, x.dtype.str)
+    return None
+
+
 def as_kernel_arg(x: Any, stream: Any = 0) -> Any:
     """A kernel argument for ``x``: zero-copy view of device arrays; host numpy arrays are
-    copied to the device (asynchronously on ``stream``), or passed as-is in the simulator."""
+    copied to the device (asynchronously on ``stream``), or passed as-is in the simulator.
+
+    Views of torch and CuPy arrays are cached by layout (``_layout_key``) and own nothing:
+    a view is a pointer with a shape, equally valid for any array later allocated at the
+    same address with the same layout, and it never keeps an array alive. Making one costs
+    Numba tens of microseconds (a driver query among them), paid per layer and call
+    otherwise; a step's KV caches, and mostly its q and outputs, repeat their layouts."""
     from numba import cuda
 
     if simulator_enabled():
         return x  # the simulator's kernels index host arrays directly
     if isinstance(x, np.ndarray):
         return cuda.to_device(np.ascontiguousarray(x), stream=stream)
-    # sync=False: the launch goes on the caller's stream, which already orders it after the
-    # producer; Numba's default would block the host on the array's exported stream.
-    return cuda.as_cuda_array(x, sync=False)
+    key = _layout_key(x, array_kind(x))
+    view = _ARG_VIEWS.get(key) if key is not None else None
+    if view is None:
+        # sync=False: the launch goes on the caller's stream, which already orders it after
+        # the producer; Numba's default would block the host on the array's exported stream.
+        if key is None:
+            return cuda.as_cuda_array(x, sync=False)
+        view = _zero_copy_view(x)
+        if len(_ARG_VIEWS) >= MAX_ARG_VIEWS:
+            _ARG_VIEWS.clear()
+        _ARG_VIEWS[key] = view
+    return view
+
+
+def _zero_copy_view(x: Any) -> Any:
+    """A Numba device array over ``x``'s memory that does not own it (nor keep ``x`` alive)."""
+    from numba import cuda
+
+    return cuda.from_cuda_array_interface(x.__cuda_array_interface__, owner=None, sync=False)
+
+
+def _external_stream(handle: int) -> Any:
+    """Numba's stream object for a raw ``cudaStream_t``, made once per handle."""
+    from numba import cuda
+
+    found = _STREAMS.get(handle)
+    if found is None:
+        if len(_STREAMS) >= MAX_ARG_VIEWS:
+            _STREAMS.clear()
+        found = _STREAMS[handle] = cuda.external_stream(handle)
+    return found
 
 
 def resolve_stream(stream: Optional[Any], arrays: tuple) -> Any:
@@ -112,11 +162,11 @@ def resolve_stream(stream: Optional[Any], arrays: tuple) -> Any:
         else:
             return cuda.default_stream()
     if isinstance(stream, int):
-        return cuda.external_stream(stream) if stream else cuda.default_stream()
+        return _external_stream(stream) if stream else cuda.default_stream()
     if hasattr(stream, "cuda_stream"):  # torch.cuda.Stream
-        return cuda.external_stream(stream.cuda_stream)
+        return _external_stream(stream.cuda_stream) if stream.cuda_stream else cuda.default_stream()
     if hasattr(stream, "ptr") and type(stream).__module__.startswith("cupy"):
-        return cuda.external_stream(stream.ptr) if stream.ptr else cuda.default_stream()
+        return _external_stream(stream.ptr) if stream.ptr else cuda.default_stream()
     return stream  # already a numba stream
 
 

@@ -120,3 +120,26 @@ def test_repo_root_on_sys_path_does_not_hide_nvidia_cuda() -> None:
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
     assert str(root / "cuda") not in out.stdout
+
+
+def test_kernel_argument_views_are_made_once_per_layout(monkeypatch) -> None:
+    """``as_kernel_arg`` caches its zero-copy views by (device, address, shape, strides,
+    dtype): the same layout again reuses the view; any other layout gets its own."""
+    import torch
+
+    from kvpage.cuda import interop
+
+    made = []
+    monkeypatch.setattr(interop, "simulator_enabled", lambda: False)
+    monkeypatch.setattr(interop, "array_kind", lambda x: interop.TORCH)  # CPU tensors stand in for CUDA ones
+    monkeypatch.setattr(interop, "_zero_copy_view", lambda x: made.append(x) or object())
+    monkeypatch.setattr(interop, "_ARG_VIEWS", {})
+    cache = torch.zeros(4, 16, 2, 8)
+    first = interop.as_kernel_arg(cache)
+    assert interop.as_kernel_arg(cache) is first and interop.as_kernel_arg(cache.view(4, 16, 2, 8)) is first
+    others = [cache[1:], cache.view(torch.int32), cache.transpose(1, 2), cache.reshape(64, 16)]
+    views = [interop.as_kernel_arg(x) for x in others]
+    assert len({id(v) for v in views} | {id(first)}) == 5 and len(made) == 5
+    monkeypatch.setattr(interop, "MAX_ARG_VIEWS", 5)
+    interop.as_kernel_arg(torch.zeros(3))  # a full cache starts over rather than growing
+    assert len(interop._ARG_VIEWS) == 1
