@@ -2,8 +2,9 @@
 (``forward_context.AttentionBackend``: ``prepare`` once per step, then ``write_kv`` and
 ``attention`` per layer), registered by name.
 
-``cpu`` is the fast CPU path, ``cuda`` the Numba kernels on GPU, and ``reference`` the
-numpy oracle (slow; for checking). Every size a backend needs (``num_decodes``,
+``cpu`` is the fast CPU path, ``cuda`` the Numba kernels on GPU (prefill rows of bf16
+models through a gather into torch's SDPA, ``cuda_prefill``; decode steps replayable from
+CUDA graphs, ``prepare_graphed``), and ``reference`` the numpy oracle (slow; for checking). Every size a backend needs (``num_decodes``,
 ``max_prefill_query_len``, ...) is read from the ``StepMetadata``, never recomputed.
 Other backends join with ``register_attention_backend(name, factory)``.
 
@@ -28,6 +29,8 @@ from kvpage.attention.reference import paged_attention_reference, quantized, wri
 from kvpage.core.kv_formats import CacheFormat
 from kvpage.core.sched.metadata import StepMetadata
 
+from .cuda_prefill import HostStep, attend_decodes_then_sdpa, check_prefill_kernel, choose_prefill_kernel
+from .decode_graphs import GraphedStepIndices
 from .forward_context import AttentionBackend
 from .rotated_backend import RotatedBackend
 
@@ -130,6 +133,7 @@ class CudaIndices:
     num_decodes: int
     max_prefill_query_len: int
     max_seq_len: int
+    host: Optional[HostStep] = None  # the step on the host, for the SDPA prefill (None: never prefills)
 
 
 class CudaBackend:
@@ -137,11 +141,14 @@ class CudaBackend:
 
     name = "cuda"
 
-    def __init__(self, device: torch.device, cache_format: Optional[CacheFormat] = None) -> None:
+    def __init__(self, device: torch.device, cache_format: Optional[CacheFormat] = None,
+                 prefill_kernel: str = "auto") -> None:
         if device.type != "cuda":
             raise ValueError("the 'cuda' attention backend needs the model on a CUDA device")
         self.device = device
         self.cache_format = quantized(cache_format)
+        check_prefill_kernel(prefill_kernel, self.cache_format)
+        self.prefill_kernel = prefill_kernel  # "auto" | "numba" | "sdpa" (``cuda_prefill``)
         # kvpage.cuda's calls take the format only for a quantized cache.
         self._format = {} if self.cache_format is None else {"cache_format": self.cache_format}
 
@@ -149,7 +156,14 @@ class CudaBackend:
         as_dev = lambda a, dt: torch.as_tensor(np.asarray(a), dtype=dt).to(self.device, non_blocking=True)  # noqa: E731
         return CudaIndices(as_dev(metadata.slot_mapping, torch.int64), as_dev(metadata.query_start_loc, torch.int32),
                            as_dev(metadata.seq_lens, torch.int32), as_dev(metadata.block_tables, torch.int32),
-                           metadata.num_decodes, metadata.max_prefill_query_len, metadata.max_seq_len)
+                           metadata.num_decodes, metadata.max_prefill_query_len, metadata.max_seq_len,
+                           HostStep(metadata))
+
+    def prepare_graphed(self, indices: GraphedStepIndices) -> CudaIndices:
+        """A captured decode step's view (``decode_graphs``): the persistent buffers as they
+        are, every row a decode, launches sized for ``indices.max_seq_len``."""
+        return CudaIndices(indices.slot_mapping, indices.query_start_loc, indices.seq_lens, indices.block_tables,
+                           indices.num_seqs, 0, indices.max_seq_len)
 
     def write_kv(self, key_cache, value_cache, k, v, prepared: CudaIndices) -> None:
         from kvpage.cuda import store_kv
@@ -163,7 +177,14 @@ class CudaBackend:
 
         if attention_chunk or alibi_slopes is not None:
             raise ValueError("the CUDA kernels do not implement chunked attention or ALiBi (use device='cpu')")
-
+        has_prefill = prepared.max_prefill_query_len > 0 and prepared.num_decodes < prepared.seq_lens.shape[0]
+        if has_prefill and choose_prefill_kernel(self.prefill_kernel, q.dtype, self.cache_format, softcap,
+                                                 sinks) == "sdpa":
+            if prepared.host is None:
+                raise ValueError("the SDPA prefill needs the step's host metadata (CudaBackend.prepare's)")
+            return attend_decodes_then_sdpa(q.contiguous(), key_cache, value_cache, (
+                prepared.query_start_loc, prepared.seq_lens, prepared.block_tables), prepared.host, scaling,
+                sliding_window)
         return paged_attention(q.contiguous(), key_cache, value_cache, prepared.query_start_loc, prepared.seq_lens,
                                prepared.block_tables, scaling, sliding_window, softcap,
                                None if sinks is None else sinks.detach().float().contiguous(),

@@ -16,19 +16,33 @@ caches are uint8 ``[num_blocks, block_bytes]`` buffers of rows quantized by
 (above 1: faster than fp16). The fast kernel's output must match the reference kernel's
 over the same bytes within fp16 output rounding (``TOL["fp16"]``).
 
+Prefill rows (``PREFILL_SEQS`` sequences with a ``PREFILL_CONTEXT``-token context each, same
+heads and block size, CUDA torch needed): ``prompt`` (the whole context is the query) and
+``chunk`` (the last ``PREFILL_CHUNK`` tokens, after earlier context). The Numba prefill
+kernel (fp16; it has no bf16) against the gather into torch's SDPA
+(``kvpage.attention.gather_sdpa``, fp16 and bf16), per call of one layer: the SDPA plan is
+built once per step, so it is not timed. Inputs are bf16-representable values, so every
+output must match the Numba fp16 one within its dtype's ``TOL``; ``tflops`` counts the
+causal score and value products (4 x heads x head_dim per visible key).
+
 Writes ``gpu_check.json`` and ``gpu_check.md`` into the folder given (else ``$OUT``, else .)::
 
     {"device": str | null, "date": ISO-8601 UTC, "commit": str | null,
-     "host_us_per_decode_step": float | null,   # host us of one paged_attention decode call
+     "host_us_per_decode_step": float | null,   # host us of a 32-layer decode step replayed from a CUDA graph
+     "eager_host_us_per_decode_step": float | null,   # the same step launched eagerly
+     "host_us_per_attention_call": float | null,   # host us of one eager paged_attention decode call
      "peak_bytes_per_s": float | null, "peak_source": str | null,
      "rows": [{"batch", "context", "dtype" (fp16 | bf16 | int8 | fp8_e4m3), "kernel": "fast" | "reference",
                "kernel_us", "frac_peak", "sdpa_frac_peak" (null without CUDA torch; null for 8-bit),
                "vs_fast_fp16" (8-bit rows only)}],
+     "prefill_rows": [{"shape": "prompt" | "chunk", "seqs", "query_len", "context",
+                       "dtype" (fp16 | bf16), "kernel": "numba" | "sdpa", "ms", "tflops"}],
      "mismatches": [str], "skipped": [str]}
 
 Without a GPU (or with ``--no-gpu``) nothing is measured: ``device`` and the figures are null
-and ``rows`` is empty. Exit status 1 when any output differs from the reference kernel or
-SDPA beyond tolerance (after writing the files), else 0.
+and ``rows`` and ``prefill_rows`` are empty. Exit status 1 when any output differs from the
+reference kernel or SDPA (or a prefill output from the Numba one) beyond tolerance, or a
+prefill comparison fails to run (after writing the files), else 0.
 Usage: ``python benchmarks/gpu_check_report.py [OUT_DIR] [--no-gpu]``.
 """
 from __future__ import annotations
@@ -53,13 +67,19 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 ROTATION_L2_MULTIPLE = 4
 TOL = {"fp16": dict(rtol=3e-3, atol=2e-3), "bf16": dict(rtol=2e-2, atol=2e-2)}
 HOST_CALLS = 200
+PREFILL_SEQS, PREFILL_CONTEXT, PREFILL_CHUNK = 4, 2048, 512
+#: Query tokens per sequence of each prefill shape.
+PREFILL_SHAPES = {"prompt": PREFILL_CONTEXT, "chunk": PREFILL_CHUNK}
+#: Seconds of timed calls per (shape, dtype, kernel) at most (one call when a call is longer).
+PREFILL_TIMED_S = 1.0
 
 
 def base_report(device: str | None) -> dict:
     """The report's fields before anything is measured."""
     return {"device": device, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "commit": _commit(), "host_us_per_decode_step": None, "peak_bytes_per_s": None, "peak_source": None,
-            "rows": [], "mismatches": [], "skipped": []}
+            "commit": _commit(), "host_us_per_decode_step": None,
+            "eager_host_us_per_decode_step": None, "host_us_per_attention_call": None, "peak_bytes_per_s": None, "peak_source": None,
+            "rows": [], "prefill_rows": [], "mismatches": [], "skipped": []}
 
 
 def _commit() -> str | None:
@@ -207,6 +227,106 @@ def measure_quant(report: dict, peak: float, l2_bytes: int) -> None:
             cupy.get_default_memory_pool().free_all_blocks()
 
 
+def _prefill_case(q_len: int, seed: int = 0) -> dict:
+    """CUDA float32 inputs of ``PREFILL_SEQS`` sequences, each ``q_len`` query tokens ending a
+    ``PREFILL_CONTEXT``-token context (shuffled block tables, host metadata as a step has it).
+    Values are rounded to bf16 first, so fp16 and bf16 copies hold the same numbers."""
+    import torch
+
+    rng = np.random.default_rng(seed)
+    per_seq = PREFILL_CONTEXT // BLOCK_SIZE
+    tables = rng.permutation(PREFILL_SEQS * per_seq).astype(np.int32).reshape(PREFILL_SEQS, per_seq)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def values(shape):
+        return torch.randn(shape, generator=gen, device="cuda").to(torch.bfloat16).float()
+
+    cache_shape = (PREFILL_SEQS * per_seq, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    return dict(q=values((PREFILL_SEQS * q_len, HEADS, HEAD_DIM)), key_cache=values(cache_shape),
+                value_cache=values(cache_shape), query_start_loc=np.arange(PREFILL_SEQS + 1, dtype=np.int32) * q_len,
+                seq_lens=np.full(PREFILL_SEQS, PREFILL_CONTEXT, np.int32), block_tables=tables)
+
+
+def _prefill_fns(case: dict, dtype: str) -> dict:
+    """The calls of one layer's prefill in ``dtype``: ``sdpa`` always, ``numba`` for fp16."""
+    import torch
+
+    from kvpage.attention.gather_sdpa import plan_prefill, run_prefill_plan
+    from kvpage.cuda import paged_attention
+
+    q, kc, vc = (case[k].to({"fp16": torch.float16, "bf16": torch.bfloat16}[dtype])
+                 for k in ("q", "key_cache", "value_cache"))
+    qsl, lens, tables = case["query_start_loc"], case["seq_lens"], case["block_tables"]
+    scaling = 1.0 / math.sqrt(HEAD_DIM)
+    plan = plan_prefill(qsl, lens, tables, BLOCK_SIZE, 0, q.device)  # once per step: not timed
+    fns = {"sdpa": lambda: run_prefill_plan(plan, q, kc, vc, scaling)}
+    if dtype == "fp16":
+        meta = [torch.as_tensor(a, device="cuda") for a in (qsl, lens, tables)]
+        fns["numba"] = lambda: paged_attention(q, kc, vc, *meta, scaling, num_decodes=0,
+                                               max_prefill_query_len=int(qsl[1]), max_seq_len=PREFILL_CONTEXT)
+    return fns
+
+
+def _time_prefill(fn) -> float:
+    """GPU seconds per call (``bench_cuda.time_gpu``), repeats sized to ``PREFILL_TIMED_S``."""
+    import torch
+    from bench_cuda import time_gpu
+
+    fn()  # compiles a Numba kernel on its first call
+    torch.cuda.synchronize()
+    begin = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    once = time.perf_counter() - begin
+    return time_gpu(fn, repeats=max(1, min(10, int(PREFILL_TIMED_S / max(once, 1e-4)))))
+
+
+def _prefill_flops(q_len: int) -> float:
+    """Multiply-adds x 2 of the scores and the values over every visible key of one call."""
+    visible = q_len * (PREFILL_CONTEXT - q_len) + q_len * (q_len + 1) // 2  # keys seen, summed over rows
+    return 4.0 * HEADS * HEAD_DIM * visible * PREFILL_SEQS
+
+
+def measure_prefill_shape(shape: str, q_len: int) -> tuple[list, list]:
+    """Rows (numba fp16, sdpa fp16, sdpa bf16) and mismatch messages for one prefill shape."""
+    import torch
+
+    case = _prefill_case(q_len)
+    outputs, rows = {}, []
+    for dtype in ("fp16", "bf16"):
+        for kernel, fn in _prefill_fns(case, dtype).items():
+            outputs[(kernel, dtype)] = fn().float()
+            seconds = _time_prefill(fn)
+            rows.append({"shape": shape, "seqs": PREFILL_SEQS, "query_len": q_len, "context": PREFILL_CONTEXT,
+                         "dtype": dtype, "kernel": kernel, "ms": round(seconds * 1e3, 3),
+                         "tflops": round(_prefill_flops(q_len) / seconds / 1e12, 2)})
+    want, mismatches = outputs[("numba", "fp16")], []
+    for (kernel, dtype), got in outputs.items():
+        if not torch.allclose(got, want, **TOL[dtype]):
+            err = float((got - want).abs().max())
+            mismatches.append(f"prefill {shape} {dtype}: {kernel} vs numba fp16 max |diff| {err:.3g}")
+    return rows, mismatches
+
+
+def measure_prefill(report: dict, torch_cuda: bool) -> None:
+    """The prefill rows of ``report``; a failure is reported and the rest of the check goes on."""
+    if not torch_cuda:
+        report["skipped"].append("torch without CUDA: no prefill comparison")
+        return
+    import torch
+
+    for shape, q_len in PREFILL_SHAPES.items():
+        try:
+            rows, mismatches = measure_prefill_shape(shape, q_len)
+        except Exception as exc:  # noqa: BLE001 - reported as a failure, the other rows still run
+            rows, mismatches = [], [f"prefill {shape}: {type(exc).__name__}: {exc}"]
+        report["prefill_rows"] += rows
+        report["mismatches"] += mismatches
+        for row in rows:
+            print(json.dumps(row), flush=True)
+        torch.cuda.empty_cache()
+
+
 def host_us_per_call(fn, calls: int = HOST_CALLS) -> float:
     """Host microseconds per call of ``fn`` while the GPU sleeps (so the host alone is timed)."""
     import cupy
@@ -250,7 +370,8 @@ def measure(report: dict) -> None:
             cupy.get_default_memory_pool().free_all_blocks()
     measure_quant(report, peak, l2_bytes)
     fn = numba_decode_fn(make_decode(BATCH, 4096, HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE), BATCH, 4096)
-    report["host_us_per_decode_step"] = round(host_us_per_call(fn), 2)
+    report["host_us_per_attention_call"] = round(host_us_per_call(fn), 2)
+    measure_prefill(report, torch_cuda)
 
 
 def markdown(report: dict) -> str:
@@ -260,14 +381,34 @@ def markdown(report: dict) -> str:
 
     lines = [f"# gpu_check: {fmt(report['device'])}", "",
              f"date {report['date']}, commit {fmt(report['commit'])}, peak {fmt(report['peak_bytes_per_s'])} B/s "
-             f"({fmt(report['peak_source'])}), host us per paged_attention decode call "
-             f"{fmt(report['host_us_per_decode_step'])}", "",
+             f"({fmt(report['peak_source'])})", "",
+             f"host us per decode step of a 32-layer model: {fmt(report['host_us_per_decode_step'])} replayed from "
+             f"a CUDA graph, {fmt(report.get('eager_host_us_per_decode_step'))} eager; per eager paged_attention "
+             f"decode call: {fmt(report.get('host_us_per_attention_call'))}", "",
              "| batch | context | dtype | kernel | kernel us | frac of peak | SDPA frac of peak | vs fast fp16 |",
              "|---:|---:|---|---|---:|---:|---:|---:|"]
     lines += [f"| {r['batch']} | {r['context']} | {r['dtype']} | {r['kernel']} | {r['kernel_us']} | {r['frac_peak']} "
               f"| {fmt(r['sdpa_frac_peak'])} | {fmt(r.get('vs_fast_fp16'))} |" for r in report["rows"]]
+    prefill = report.get("prefill_rows") or []
+    if prefill:
+        lines += ["", "| prefill | seqs | query len | context | dtype | kernel | ms | TFLOP/s |",
+                  "|---|---:|---:|---:|---|---|---:|---:|"]
+        lines += [f"| {r['shape']} | {r['seqs']} | {r['query_len']} | {r['context']} | {r['dtype']} | {r['kernel']} "
+                  f"| {r['ms']} | {r['tflops']} |" for r in prefill]
     lines += [""] + [f"- MISMATCH: {m}" for m in report["mismatches"]] + [f"- skipped: {s}" for s in report["skipped"]]
     return "\n".join(lines) + "\n"
+
+
+def add_step_host_times(report: dict, out_dir: Path) -> None:
+    """Copy the decode step's host times from ``decode_step_host.json`` (written into the
+    same folder by ``benchmarks/decode_step_host.py``, which ``gpu_check.sh`` runs first)."""
+    path = out_dir / "decode_step_host.json"
+    if not path.exists():
+        report["skipped"].append("no decode_step_host.json: the decode step's host time is unmeasured")
+        return
+    measured = json.loads(path.read_text())
+    for key in ("host_us_per_decode_step", "eager_host_us_per_decode_step"):
+        report[key] = measured.get(key)
 
 
 def main(argv: list[str]) -> int:
@@ -281,6 +422,7 @@ def main(argv: list[str]) -> int:
 
         report = base_report(device_name())
         measure(report)
+        add_step_host_times(report, out_dir)
     else:
         print(f"SKIP decode comparison: {reason}")
         report = base_report(None)

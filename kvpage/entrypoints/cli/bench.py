@@ -11,10 +11,11 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from kvpage.core.kv_formats import KV_CACHE_DTYPES
-from kvpage.tools.bench.workload import SCENARIOS
+from kvpage.tools.bench.model import DTYPES
+from kvpage.tools.bench.workload import SCALES as WORKLOAD_SCALES, SCENARIOS
 from kvpage.entrypoints.cli.args import non_negative_float, positive_int
 
-SCALES = ("auto", "tiny", "quick", "cpu", "full")
+SCALES = ("auto", *WORKLOAD_SCALES)
 LETTERS = "ABCDEFG"
 
 
@@ -37,8 +38,9 @@ def _configs(text: str) -> str:
 
 def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add = parser.add_argument
-    add("--model", default=None, help="random-tiny|random-30m|random-50m|random-350m, a local HF folder or an alias "
-        "such as smollm2-135m (default: random-30m on CPU, random-350m with --scale full)")
+    add("--model", default=None, help="random-tiny|random-30m|random-50m|random-350m|random-llama3-8b (random "
+        "weights built from a config on the device, nothing downloaded), a local HF folder or an alias such as "
+        "smollm2-135m (default: random-30m on CPU, random-350m with --scale full)")
     add("--scenario", type=_scenarios, default=SCENARIOS,
         help="comma list of sharegpt, burst, shared-prefix, multi-turn, long-context, or all")
     add("--configs", type=_configs, default=None, help="letters to run on every scenario (default: per scenario; "
@@ -58,7 +60,10 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "configurations C-G (auto: the model's dtype); the KV budget in bytes stays that of the model's dtype, "
         "so a quantized format holds more tokens")
     add("--seed", type=int, default=0)
-    add("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    add("--device", choices=("auto", "cpu", "cuda"), default="auto", help="cuda refuses (exit 2) where no CUDA "
+        "device is available")
+    add("--dtype", choices=DTYPES, default="auto", help="the model's dtype (auto: float32 on CPU, bfloat16 on a "
+        "GPU for random models; a checkpoint's own dtype otherwise)")
     add("--out", type=Path, default=Path("bench_out"), help="folder for bench.json, bench.md and bench.png")
     add("--no-progress", action="store_true", help="no progress bars")
     parser.set_defaults(func=run_bench, subparser=parser)
@@ -88,13 +93,14 @@ def _options(args: argparse.Namespace):
                         configs=configs, scale=scale, seed=args.seed, rate=args.rate, static_seqs=args.static_seqs,
                         kv_budget_bytes=budget, block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype,
                         max_num_seqs=args.max_num_seqs,
-                        token_budget=args.token_budget or (512 if full else 128), device=device,
+                        token_budget=args.token_budget or (512 if full else 128), device=device, dtype=args.dtype,
                         progress=not args.no_progress, out_dir=args.out)
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    """Run the suite, print the Markdown tables, write the report files; 2 on bad input."""
-    from kvpage.tools.bench.suite import markdown_report, run_suite
+    """Run the suite, print the Markdown tables, write the report files; 2 on bad input,
+    1 when a configuration failed (its row says why; the others' figures are written)."""
+    from kvpage.tools.bench.suite import failed_rows, markdown_report, run_suite
 
     try:
         result = run_suite(_options(args))
@@ -102,9 +108,13 @@ def run_bench(args: argparse.Namespace) -> int:
         print(f"kvpage bench: error: {exc}", file=sys.stderr)
         return 2
     print(markdown_report(result))
-    print(f"\nwrote {args.out / 'bench.json'}, {args.out / 'bench.md'}, {args.out / 'bench.png'} "
-          f"({result['chart_renderer']} chart) in {result['elapsed_s']:.0f} s")
-    return 0
+    chart = (f"{args.out / 'bench.png'} ({result['chart_renderer']} chart)" if result["chart_renderer"]
+             else "no chart (matplotlib is not installed)")
+    print(f"\nwrote {args.out / 'bench.json'}, {args.out / 'bench.md'}, {chart} in {result['elapsed_s']:.0f} s")
+    failures = failed_rows(result)
+    for failure in failures:
+        print(f"kvpage bench: failed: {failure}", file=sys.stderr)
+    return 1 if failures else 0
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -43,10 +43,31 @@ def markdown(scenario: dict[str, Any]) -> str:
     for row in scenario["results"]:
         name = f"{row['config']}: {row['label']}"
         if row["status"] != "ok":
-            lines.append(f"| {name} | skipped: {row['reason']} |" + " |" * (len(columns) - 1))
+            lines.append(f"| {name} | {row['status']}: {_one_line(row['reason'])} |" + " |" * (len(columns) - 1))
             continue
         lines.append(f"| {name} | " + " | ".join(_cell(row.get(k), f) for k, _, f in columns) + " |")
+    ratios = scenario.get("throughput_ratios")
+    if ratios:
+        lines += ["", "useful tok/s ratios: " + ", ".join(f"{pair} {value:.2f}x" for pair, value in ratios.items())]
     return "\n".join(lines)
+
+
+def _one_line(reason: str) -> str:
+    """A reason as one table cell: its first line, pipes escaped (the JSON keeps it whole)."""
+    return (reason.strip().splitlines() or [""])[0].replace("|", "\\|")
+
+
+#: The throughput ratios a scenario reports (numerator, denominator): the paged
+#: configurations over HF static batching and over HF continuous batching.
+RATIO_PAIRS = (("C", "A"), ("D", "A"), ("C", "B"), ("D", "B"))
+
+
+def throughput_ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """``{"C/A": x, ...}``: useful tok/s of one configuration over another's, for every pair
+    of ``RATIO_PAIRS`` whose two rows ran ("ok") with a positive rate."""
+    rate = {row["config"]: row.get("useful_tokens_per_s") for row in rows if row["status"] == "ok"}
+    return {f"{num}/{den}": rate[num] / rate[den] for num, den in RATIO_PAIRS
+            if rate.get(num) and rate.get(den)}
 
 
 def _arrivals(scenario: dict[str, Any]) -> str:
@@ -72,6 +93,7 @@ def scenario_entry(workload, results: list[RunResult], kv_budget_bytes: int) -> 
         "prompt_tokens": sum(len(r.prompt_ids) for r in workload.requests), "kv_budget_bytes": kv_budget_bytes,
         "useful_tokens_equal": len({row["useful_tokens"] for row in rows if row["status"] == "ok"}) <= 1,
         "greedy_reference": None if reference is None else reference.config,
+        "throughput_ratios": throughput_ratios(rows),
         "results": rows, "raw": {r.config: _raw(r) for r in ok},
     }
 

@@ -127,6 +127,11 @@ SCALES = {
                    long_max_prompt=1024, long_output=96),
     # Enough requests, arriving fast enough, for paged batching to outgrow static's batch.
     "cpu": Scale(num_requests=64, arrival_rate=40.0, burst_decoders=32, burst_long_prompts=4),
+    # The A/B/C/D step of benchmarks/gpu_check.sh (an 8B model on one GPU within about two
+    # minutes, start-up included): ShareGPT-shaped lengths cut short, every request at t=0, so
+    # tok/s is the throughput at saturation and concurrency is bounded by the KV budget.
+    "gpu-check": Scale(num_requests=64, prompt_median=160, prompt_sigma=1.0, output_median=32, output_sigma=0.8,
+                       max_prompt=768, max_output=128, arrival_rate=0.0),
     # Published-benchmark sizes: ShareGPT-like lengths (median prompt ~200, output ~150) and a 1k system prompt.
     "full": Scale(num_requests=400, prompt_median=200, prompt_sigma=1.0, output_median=150, output_sigma=0.8,
                   max_prompt=1536, max_output=512, arrival_rate=20.0, burst_decoders=128, burst_long_prompts=8,
