@@ -18,7 +18,8 @@
 # benchmarks/cuda_call_overhead.py (where a paged_attention call's host time goes) is not
 # part of the check: run it by hand when the host time per call needs explaining.
 # Usage: benchmarks/gpu_check.sh [OUT_DIR]   (default: $OUT, else .; PYTHON=python3 picks the
-# interpreter, else .venv/bin/python, else python3). Exits non-zero when any step fails,
+# interpreter, else .venv/bin/python, else python3). Wheels in .whl/ (benchmarks/gpu_wheels.sh,
+# carried with the run) are installed into a private site folder first. Exits non-zero when any step fails,
 # including any kernel output that differs from the reference.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -27,6 +28,12 @@ elif [[ -x .venv/bin/python ]]; then PY=.venv/bin/python   # the venv `make test
 else PY=python3; fi
 OUT_DIR="${1:-${OUT:-.}}"
 mkdir -p "$OUT_DIR"
+if compgen -G ".whl/*.whl" > /dev/null; then
+    # Wheels carried from benchmarks/gpu_wheels.sh (the GPU machine reaches no package index).
+    wheels="$(mktemp -d)"
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$wheels" .whl/*.whl \
+        && export PYTHONPATH="$wheels${PYTHONPATH:+:$PYTHONPATH}" && echo "using carried wheels: $(ls .whl)"
+fi
 # Keep the repo root (and its cuda/ dir, which would shadow NVIDIA's `cuda` package) off sys.path.
 export PYTHONSAFEPATH=1
 if ! "$PY" -c "import kvpage.cuda.ops" 2>/dev/null; then
