@@ -230,6 +230,7 @@ class DecodeGraphs:
         self.buffers = buffers
         self.replays = replays
         self.sizes = sorted(replays)
+        self.replayed_steps = 0  # steps served by a replay (the engine's stats report it)
 
     def serves(self, metadata: StepMetadata) -> bool:
         """Whether ``metadata`` is a step a graph replays: decodes only (one token per
@@ -245,6 +246,7 @@ class DecodeGraphs:
         of the graph's output that the next replay overwrites."""
         bucket = bucket_for(metadata.num_seqs, self.sizes)
         self.buffers.load(metadata, bucket)
+        self.replayed_steps += 1
         return self.replays[bucket]()[:metadata.num_seqs]
 
     def verify(self, forwards: dict[int, Callable[[], torch.Tensor]]) -> None:

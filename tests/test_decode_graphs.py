@@ -123,6 +123,7 @@ def test_replayed_decode_steps_equal_hf_generate(family):
         outputs = llm.generate(prompts, params)
         assert [out.outputs[0].token_ids for out in outputs] == expected
         assert len(served) >= max(max_tokens) - 2 and {1, 3, 5, 6} & set(served), served
+        assert llm.stats()["decode_graph_steps"] == len(served)
         llm.check_integrity()
     finally:
         llm.restore()

@@ -331,6 +331,9 @@ class LLMEngine:
             stats["kv_cache_dtype"] = kv_cache.spec.kv_format.name
             stats["kv_bytes_per_token"] = kv_cache.spec.bytes_per_token
         stats.update(self.step_stats.summary())
+        graphs = getattr(self.runner, "decode_graphs", None)
+        if graphs is not None:
+            stats["decode_graph_steps"] = graphs.replayed_steps
         if self.thread_governor is not None:
             stats["compute_threads"] = self.thread_governor.current
         if self.kv_tiers is not None:
