@@ -203,3 +203,46 @@ def test_cpu_graphs_get_the_cpp_wrapper_unless_turned_off(monkeypatch):
     monkeypatch.setenv("KVPAGE_CPP_WRAPPER", "1")
     monkeypatch.setenv("TORCHINDUCTOR_CPP_WRAPPER", "0")  # the user's own choice wins
     assert graph_passes.cpp_wrapper_patches(cpu_inputs) == {}
+
+
+def _compile_at_thread_counts(model, counts) -> list[int]:
+    """Compile ``model`` once per thread count in ``counts`` (as a governed engine's two
+    entries); the cache hits (AOTAutograd's or inductor's) of each compilation."""
+    from torch._dynamo.utils import counters
+
+    hits, before = [], torch.get_num_threads()
+    try:
+        compiled = torch.compile(model, backend=graph_passes.kvpage_inductor, dynamic=True)
+        for count in counts:
+            torch.set_num_threads(count)
+            counters.clear()
+            with torch.inference_mode():
+                compiled(torch.randn(5, 32))
+            hits.append(counters["aot_autograd"]["autograd_cache_hit"] + counters["inductor"]["fxgraph_cache_hit"])
+    finally:
+        torch.set_num_threads(before)
+    return hits
+
+
+@pytest.mark.parametrize("user_setting", [None, "0"])
+def test_a_second_thread_count_loads_the_first_ones_code(tmp_path, monkeypatch, user_setting):
+    """CPU kernels read their thread count at run time, so the entry compiled for another
+    count is the same code and comes from the cache; the user's own setting wins."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    if user_setting is None:
+        monkeypatch.delenv("TORCHINDUCTOR_CPP_DYNAMIC_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("TORCHINDUCTOR_CPP_DYNAMIC_THREADS", user_setting)
+    assert graph_passes.cpu_thread_patches([torch.zeros(3)]) == ({} if user_setting else {"cpp.dynamic_threads": True})
+    assert graph_passes.cpu_thread_patches([torch.zeros(3, device="meta")]) == {}
+    torch.manual_seed(0)
+    model = SiblingsWithMethods()
+    undo = use_onednn_linears(model)
+    torch._dynamo.reset()
+    try:
+        hits = _compile_at_thread_counts(model, (2, 1))
+    finally:
+        undo()
+        torch._dynamo.reset()
+    assert hits[0] == 0
+    assert (hits[1] > 0) == (user_setting is None)
