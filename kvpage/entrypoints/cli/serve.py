@@ -106,8 +106,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="greedy output identical to HF generate: eager, torch's linears (default: the fast "
                    "mode, compiled with oneDNN linears on CPU); takes an optional value")
     p.add_argument("--enforce-eager", action=bool_flag, default=None,
-                   help="run the model op by op, without graph compilation (default: compiled on CPU, "
-                   "cached on disk; eager on GPU and with --exact); takes an optional value")
+                   help="run the model op by op, without graph compilation or CUDA graphs (default: "
+                   "compiled on CPU, cached on disk; on GPU eager ops with decode steps replayed from CUDA "
+                   "graphs; eager with --exact); takes an optional value")
     p.add_argument("--onednn-linears", action=bool_flag, default=None,
                    help="CPU: run the linears through oneDNN (default: on, off with --exact; greedy results "
                    "may then depend on batch composition at float rounding level); takes an optional value")
