@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import time
 from typing import Optional, Sequence
 
 import numpy as np
@@ -263,8 +264,6 @@ class HFModelRunner:
         decode steps that fit replay them. Refuses (``ValueError``) when ``graph_refusal``
         names a reason; ``RuntimeError`` when a replay does not match its eager forward.
         Returns the seconds taken."""
-        import time
-
         reason = self.graph_refusal(capture)
         if reason is not None:
             raise ValueError(f"decode graphs: {reason}")

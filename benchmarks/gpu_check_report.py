@@ -216,15 +216,26 @@ def measure_quant(report: dict, peak: float, l2_bytes: int) -> None:
             if r["dtype"] == "fp16" and r["kernel"] == "fast"}
     for name in QUANT_FORMATS:
         for context in QUANT_CONTEXTS:
-            try:
-                rows, mismatches = measure_quant_shape(name, context, peak, l2_bytes, fp16.get(context))
-            except Exception as exc:  # noqa: BLE001 - reported as a failure, the other rows still run
-                rows, mismatches = [], [f"context {context} {name}: {type(exc).__name__}: {exc}"]
-            report["rows"] += rows
-            report["mismatches"] += mismatches
-            for row in rows:
-                print(json.dumps(row), flush=True)
+            _add_rows(report, "rows", *_guarded(f"context {context} {name}", lambda: measure_quant_shape(
+                name, context, peak, l2_bytes, fp16.get(context))))
             cupy.get_default_memory_pool().free_all_blocks()
+
+
+def _guarded(label: str, measure) -> tuple[list, list]:
+    """``measure()``'s ``(rows, mismatches)``, or no rows and one mismatch naming ``label``
+    and the exception: a failure is reported, and the other rows still run."""
+    try:
+        return measure()
+    except Exception as exc:  # noqa: BLE001 - reported as a failure
+        return [], [f"{label}: {type(exc).__name__}: {exc}"]
+
+
+def _add_rows(report: dict, key: str, rows: list, mismatches: list) -> None:
+    """Append ``rows`` to ``report[key]`` and ``mismatches`` to its mismatches; print the rows."""
+    report[key] += rows
+    report["mismatches"] += mismatches
+    for row in rows:
+        print(json.dumps(row), flush=True)
 
 
 def _prefill_case(q_len: int, seed: int = 0) -> dict:
@@ -316,14 +327,7 @@ def measure_prefill(report: dict, torch_cuda: bool) -> None:
     import torch
 
     for shape, q_len in PREFILL_SHAPES.items():
-        try:
-            rows, mismatches = measure_prefill_shape(shape, q_len)
-        except Exception as exc:  # noqa: BLE001 - reported as a failure, the other rows still run
-            rows, mismatches = [], [f"prefill {shape}: {type(exc).__name__}: {exc}"]
-        report["prefill_rows"] += rows
-        report["mismatches"] += mismatches
-        for row in rows:
-            print(json.dumps(row), flush=True)
+        _add_rows(report, "prefill_rows", *_guarded(f"prefill {shape}", lambda: measure_prefill_shape(shape, q_len)))
         torch.cuda.empty_cache()
 
 
@@ -362,11 +366,7 @@ def measure(report: dict) -> None:
         report["skipped"].append("torch without CUDA: no SDPA column and no bf16 rows")
     for dtype in ("fp16", "bf16") if torch_cuda else ("fp16",):
         for context in CONTEXTS:
-            rows, mismatches = measure_shape(context, dtype, peak, l2_bytes, torch_cuda)
-            report["rows"] += rows
-            report["mismatches"] += mismatches
-            for row in rows:
-                print(json.dumps(row), flush=True)
+            _add_rows(report, "rows", *measure_shape(context, dtype, peak, l2_bytes, torch_cuda))
             cupy.get_default_memory_pool().free_all_blocks()
     measure_quant(report, peak, l2_bytes)
     fn = numba_decode_fn(make_decode(BATCH, 4096, HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE), BATCH, 4096)

@@ -110,12 +110,12 @@ def as_kernel_arg(x: Any, stream: Any = 0) -> Any:
     if isinstance(x, np.ndarray):
         return cuda.to_device(np.ascontiguousarray(x), stream=stream)
     key = _layout_key(x, array_kind(x))
-    view = _ARG_VIEWS.get(key) if key is not None else None
-    if view is None:
+    if key is None:
         # sync=False: the launch goes on the caller's stream, which already orders it after
         # the producer; Numba's default would block the host on the array's exported stream.
-        if key is None:
-            return cuda.as_cuda_array(x, sync=False)
+        return cuda.as_cuda_array(x, sync=False)
+    view = _ARG_VIEWS.get(key)
+    if view is None:
         view = _zero_copy_view(x)
         if len(_ARG_VIEWS) >= MAX_ARG_VIEWS:
             _ARG_VIEWS.clear()

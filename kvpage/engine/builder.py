@@ -250,7 +250,7 @@ def build_hf_engine(model: torch.nn.Module, tokenizer: Any, config: EngineConfig
     runner = HFModelRunner(model, onednn_linears=config.uses_onednn)
     if runner.device.type == "cpu":
         keep_freed_memory()
-    # A compiled graph keeps the thread count it was compiled with (see thread_governor):
+    # Dynamo guards a compiled graph on its thread count (see thread_governor):
     # the governor of a compiled engine moves between this count and one thread fewer, and
     # both get their compiled entry at start-up.
     governed = runner.device.type == "cpu" and governor_wanted(config.num_threads, num_threads)

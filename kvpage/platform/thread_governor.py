@@ -11,10 +11,11 @@ count must be seen on two checks in a row before it applies, so a short burst el
 does not make it flap; only the look the engine takes when it starts applies at once.
 
 Only when the engine sized its threads itself (no ``num_threads`` given) and
-``KVPAGE_THREAD_GOVERNOR`` is not ``0``; Linux only. A compiled graph keeps the thread
-count it was compiled with (inductor's kernels fix it, and dynamo guards on it), so a
-compiled engine compiles a second entry at start-up for one thread fewer and its governor
-moves only between those two counts (``counts``): never a compile mid-run. Torch-free at import.
+``KVPAGE_THREAD_GOVERNOR`` is not ``0``; Linux only. Dynamo guards a compiled graph on the
+thread count it was compiled with, so a compiled engine makes a second entry at start-up for
+one thread fewer (its kernels read the count at run time, so that entry loads the first's
+code from the cache) and its governor moves only between those two counts (``counts``):
+never a compile mid-run. Torch-free at import.
 """
 from __future__ import annotations
 
