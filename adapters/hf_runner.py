@@ -33,7 +33,7 @@ from .decode_graphs import (CudaGraphCapture, DecodeGraphs, GraphCapture, Static
 from .families import needs_port, port_refusal
 from .forward_context import AttentionBackend, AttentionSite, ProbeContext, StepContext, forward_context
 from .layer_kinds import attention_modules, attention_modules_of_layer, unsupported_layer_reason
-from .onednn_linear import onednn_available, use_onednn_linears
+from .onednn_linear import onednn_available, pick_compute_dtype, use_onednn_linears
 from .position_relay import relay_position_ids
 from .recurrent_state import (RecurrentStateSlots, StateEntry, chunked_prefill_is_exact, probe_state_layout,
                               state_argument)
@@ -98,7 +98,8 @@ class HFModelRunner:
     and once ``bind`` ran, buffers, KV group and ALiBi slopes) in site order, the KV cache's
     layer order; ``layer_specs`` their layouts."""
 
-    def __init__(self, model: torch.nn.Module, onednn_linears: bool = False) -> None:
+    def __init__(self, model: torch.nn.Module, onednn_linears: bool = False,
+                 linear_compute_dtype: str = "auto") -> None:
         self.state_layout = check_supported(model)
         # Whether a prompt may be fed in chunks: the model's prefill resumes from stored state.
         self.chunks_resume_state = not self.state_layout or chunked_prefill_is_exact(model)
@@ -118,8 +119,11 @@ class HFModelRunner:
         try:
             self.takeover: Takeover = take_over(model, self._undo, recurrent=bool(self.state_layout))
             self.onednn_linears = bool(onednn_linears) and onednn_available(model)
+            # The dtype the oneDNN linears compute in, and why (None without them).
+            self.linear_compute: Optional[tuple[torch.dtype, str]] = None
             if self.onednn_linears:
-                self._undo.callback(use_onednn_linears(model))
+                self.linear_compute = pick_compute_dtype(model, linear_compute_dtype)
+                self._undo.callback(use_onednn_linears(model, self.linear_compute[0]))
             self.kv_dtype = self._probe_sites()
         except BaseException:
             self.restore()

@@ -18,15 +18,50 @@ Under ``torch.compile`` the call is the custom op ``kvpage::onednn_linear`` (the
 weight is an opaque oneDNN tensor that dynamo cannot trace): the op takes the plain weight
 and finds its reordered copy in ``_REORDERED``, keyed by the weight's storage, which lives
 exactly as long as the swap.
+
+**The compute dtype.** A half-precision model's linears may compute in float32: the
+reordered copy is then the weight widened to float32, and each call widens its input and
+rounds its output back to the model's dtype. A product of two bf16 (or fp16) values is exact
+in float32 and oneDNN's half-precision matmul accumulates in float32 too, so the widened
+matmul is the same sum of the same products, in another order. Where a CPU's half-precision
+matmul is slower than its float32 one (AVX-512 without AMX: oneDNN's bf16 kernels run at
+about half the float32 rate there), the wide matmul is the faster one, at the price of a
+copy twice the size (``pick_compute_dtype`` measures both on the model's own weight and
+weighs the memory; docs/performance.md has the figures).
 """
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
+from kvpage.core.config import LINEAR_COMPUTE_DTYPES
+
+
+@dataclass(frozen=True)
+class Packed:
+    """A weight's oneDNN-reordered copy and its bias, both at the dtype the matmul runs in."""
+
+    weight: torch.Tensor
+    bias: Optional[torch.Tensor]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.weight.dtype
+
+
+def _run(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """oneDNN's matmul of ``x`` by a reordered weight, computed at the weight's dtype and
+    returned at ``x``'s."""
+    if packed.dtype == x.dtype:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise(x.to(packed.dtype), packed, bias, "none", [], "").to(x.dtype)
+
+
 # weight.data_ptr() -> its oneDNN-reordered copy, for every weight currently swapped.
-_REORDERED: dict[int, torch.Tensor] = {}
+_REORDERED: dict[int, Packed] = {}
 # (member weights' data_ptrs) -> (reordered concatenation, concatenated bias or None), for
 # the fused sibling linears of the compiled graph (``graph_passes``); an entry goes when
 # any member is released or its address is swapped again.
@@ -40,8 +75,10 @@ def _forget_fused(weight_ptr: int) -> None:
 
 @torch.library.custom_op("kvpage::onednn_linear", mutates_args=())
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` through oneDNN on ``weight``'s reordered copy."""
-    return torch.ops.mkldnn._linear_pointwise(x, _REORDERED[weight.data_ptr()], bias, "none", [], "")
+    """``F.linear(x, weight, bias)`` through oneDNN on ``weight``'s reordered copy (the
+    copy's bias, the same values, is the one used)."""
+    packed = _REORDERED[weight.data_ptr()]
+    return _run(x, packed.weight, packed.bias)
 
 
 @onednn_linear.register_fake
@@ -57,9 +94,10 @@ def fused_weight(weights: list[torch.Tensor], biases: list[torch.Tensor]) -> tup
     if entry is None:
         if any(k not in _REORDERED for k in key):
             raise RuntimeError("a fused linear's member weight is not swapped for oneDNN")
+        dtype = _REORDERED[key[0]].dtype
         with torch.no_grad():
-            packed = torch.ops.mkldnn._reorder_linear_weight(torch.cat([w.detach() for w in weights]), None)
-            bias = torch.cat([b.detach() for b in biases]) if biases else None
+            packed = torch.ops.mkldnn._reorder_linear_weight(torch.cat([w.detach().to(dtype) for w in weights]), None)
+            bias = torch.cat([b.detach().to(dtype) for b in biases]) if biases else None
         entry = _FUSED[key] = (packed, bias)
     return entry
 
@@ -69,7 +107,7 @@ def onednn_linear_fused(x: torch.Tensor, weights: list[torch.Tensor], biases: li
     """``torch.cat([F.linear(x, w, b) for w, b in ...], -1)`` as one oneDNN matmul
     (``biases`` empty: none)."""
     packed, bias = fused_weight(weights, biases)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return _run(x, packed, bias)
 
 
 @onednn_linear_fused.register_fake
@@ -78,16 +116,20 @@ def _(x, weights, biases):
 
 
 class OneDnnLinear(torch.nn.Module):
-    """``nn.Linear``'s forward on a oneDNN-reordered weight (inference only)."""
+    """``nn.Linear``'s forward on a oneDNN-reordered weight (inference only), computed at
+    ``compute_dtype`` (default: the weight's)."""
 
-    def __init__(self, linear: torch.nn.Linear) -> None:
+    def __init__(self, linear: torch.nn.Linear, compute_dtype: Optional[torch.dtype] = None) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
+        dtype = compute_dtype or linear.weight.dtype
         _forget_fused(linear.weight.data_ptr())
         with torch.no_grad():
-            _REORDERED[linear.weight.data_ptr()] = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
+            bias = None if linear.bias is None else linear.bias.detach().to(dtype)
+            _REORDERED[linear.weight.data_ptr()] = Packed(
+                torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach().to(dtype), None), bias)
         self.original = [linear]  # a list, so the original is not registered as a child module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -100,22 +142,110 @@ class OneDnnLinear(torch.nn.Module):
         _forget_fused(self.weight.data_ptr())
 
 
+def _matmul_supported(dtype: torch.dtype) -> bool:
+    if dtype == torch.float32:
+        return True
+    if dtype == torch.bfloat16:
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return dtype == torch.float16 and torch.ops.mkldnn._is_mkldnn_fp16_supported()
+
+
 def onednn_available(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s linears can run through oneDNN: a CPU model of float32, or of
+    bf16/fp16 (which compute widened to float32 where oneDNN has no matmul of their own)."""
     param = next(model.parameters())
-    return (param.device.type == "cpu" and param.dtype in (torch.float32, torch.bfloat16)
-            and torch.backends.mkldnn.is_available()
-            and (param.dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()))
+    return (param.device.type == "cpu" and param.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and torch.backends.mkldnn.is_available())
 
 
-def use_onednn_linears(model: torch.nn.Module) -> Callable[[], None]:
-    """Swap every ``nn.Linear`` of ``model`` for a ``OneDnnLinear``; returns the undo function."""
+def _linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
+    return [m for m in model.modules() if type(m) is torch.nn.Linear]
+
+
+def _available_memory() -> Optional[int]:
+    """Bytes the OS could still hand out (Linux's ``MemAvailable``), or None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _seconds_per_matmul(weight: torch.Tensor, dtype: torch.dtype, rows: int, reps: int = 5) -> float:
+    """The best of ``reps`` timed oneDNN matmuls of ``rows`` rows by ``weight`` at ``dtype``."""
+    with torch.no_grad():
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype), None)
+        x = torch.randn(rows, weight.shape[1]).to(weight.dtype)
+        _run(x, packed, None)
+        best = float("inf")
+        for _ in range(reps):
+            start = time.perf_counter()
+            _run(x, packed, None)
+            best = min(best, time.perf_counter() - start)
+    return best
+
+
+# Widen only for a clear win: the copy costs memory, and a near tie is noise.
+_WIDEN_SPEEDUP = 1.15
+# Rows of the timed matmuls: a decode step's batch and a prompt chunk's.
+_TIMED_ROWS = (32, 256)
+
+
+def pick_compute_dtype(model: torch.nn.Module, setting: str = "auto") -> tuple[torch.dtype, str]:
+    """The dtype ``model``'s oneDNN linears compute in, and why, for ``setting``:
+
+    - ``"model"``: the weights' dtype (a half-precision dtype oneDNN has no matmul for on
+      this CPU still widens to float32: there is no other oneDNN path);
+    - ``"float32"``: widened to float32;
+    - ``"auto"``: float32 models stay float32; a bf16/fp16 model widens when a float32
+      matmul of its widest linear runs at least 1.15x faster than one at its own dtype
+      (timed here, for a decode batch and a prompt chunk, summed) and the float32 copies
+      fit in half the memory the OS has available.
+
+    Raises ``ValueError`` for any other setting.
+    """
+    if setting not in LINEAR_COMPUTE_DTYPES:
+        raise ValueError(f"linear compute dtype must be one of {', '.join(LINEAR_COMPUTE_DTYPES)}; got {setting!r}")
+    dtype = next(model.parameters()).dtype
+    if dtype == torch.float32:
+        return dtype, "the model's dtype"
+    if not _matmul_supported(dtype):
+        return torch.float32, f"oneDNN has no {_name(dtype)} matmul on this CPU"
+    if setting != "auto":
+        return (dtype, "the model's dtype") if setting == "model" else (torch.float32, "asked for")
+    linears = _linears(model)
+    if not linears:
+        return dtype, "the model's dtype (no linears)"
+    extra = sum(m.weight.numel() for m in linears) * 4  # the float32 copies, made after this
+    available = _available_memory()
+    if available is not None and extra > available // 2:
+        return dtype, f"float32 copies ({extra / 2**30:.1f} GiB) would not fit in half the available memory"
+    widest = max(linears, key=lambda m: m.weight.numel()).weight
+    own = sum(_seconds_per_matmul(widest, dtype, rows) for rows in _TIMED_ROWS)
+    wide = sum(_seconds_per_matmul(widest, torch.float32, rows) for rows in _TIMED_ROWS)
+    speedup = own / wide
+    if speedup >= _WIDEN_SPEEDUP:
+        return torch.float32, f"float32 matmuls measured {speedup:.2f}x faster than {_name(dtype)} on this CPU"
+    return dtype, f"float32 matmuls measured {speedup:.2f}x {_name(dtype)}'s on this CPU"
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def use_onednn_linears(model: torch.nn.Module, compute_dtype: Optional[torch.dtype] = None) -> Callable[[], None]:
+    """Swap every ``nn.Linear`` of ``model`` for a ``OneDnnLinear`` computing at
+    ``compute_dtype`` (default: the weights' dtype); returns the undo function."""
     swapped: list[tuple[torch.nn.Module, str, torch.nn.Linear]] = []
     if not onednn_available(model):
         return lambda: None
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is torch.nn.Linear:
-                setattr(parent, name, OneDnnLinear(child))
+                setattr(parent, name, OneDnnLinear(child, compute_dtype))
                 swapped.append((parent, name, child))
 
     def undo() -> None:

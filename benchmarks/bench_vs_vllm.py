@@ -9,7 +9,8 @@ that row an error, not an abort) and each kvpage mode of ``--kvpage-flags``:
   on CPU the compiled forward with oneDNN linears);
 - otherwise atoms joined by ``+``: ``exact`` (``exact``: eager, torch's linears), ``eager`` /
   ``compiled`` (``enforce_eager`` True / False), ``onednn`` / ``no-onednn``
-  (``onednn_linears``); e.g. ``compiled+no-onednn``.
+  (``onednn_linears``), ``model-linears`` / ``wide-linears`` (``linear_compute_dtype``
+  "model" / "float32"); e.g. ``compiled+no-onednn``.
   Default: ``defaults exact``. vLLM always runs with its defaults.
 
 Offline (default): the same ``--num-prompts`` requests (64; log-normal prompts of about
@@ -69,6 +70,8 @@ MODE_ATOMS = {"exact": ({"exact": True}, ["--exact"]),
               "compiled": ({"enforce_eager": False}, ["--no-enforce-eager"]),
               "onednn": ({"onednn_linears": True}, ["--onednn-linears"]),
               "no-onednn": ({"onednn_linears": False}, ["--no-onednn-linears"]),
+              "model-linears": ({"linear_compute_dtype": "model"}, ["--linear-compute-dtype", "model"]),
+              "wide-linears": ({"linear_compute_dtype": "float32"}, ["--linear-compute-dtype", "float32"]),
               "step-auto": ({"max_step_ms": "auto"}, ["--max-step-ms", "auto"]),
               "step-off": ({"max_step_ms": None}, ["--max-step-ms", "off"])}
 

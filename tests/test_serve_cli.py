@@ -86,6 +86,15 @@ def test_exact_flag_reaches_the_config_and_a_contradiction_is_a_usage_error():
         config_from_args(parse("--exact", "--onednn-linears"))
 
 
+def test_linear_compute_dtype_flag_reaches_the_config():
+    assert config_from_args(parse()).linear_compute_dtype == "auto"
+    assert config_from_args(parse("--linear-compute-dtype", "float32")).linear_compute_dtype == "float32"
+    with pytest.raises(UsageError, match="contradicts onednn_linears=False"):
+        config_from_args(parse("--linear-compute-dtype", "float32", "--no-onednn-linears"))
+    with pytest.raises(SystemExit):  # argparse's one-line usage error
+        parse("--linear-compute-dtype", "half")
+
+
 def test_kv_tier_and_event_flags_reach_the_config():
     config = config_from_args(parse("--kv-offloading-size", "0.5", "--kv-disk-cache", "/tmp/kv",
                                     "--kv-disk-cache-size", "2", "--kv-events-config",

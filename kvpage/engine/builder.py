@@ -247,9 +247,12 @@ def build_hf_engine(model: torch.nn.Module, tokenizer: Any, config: EngineConfig
     collaborator the config asks for (KV tiers, KV event publisher, thread governor). If
     that fails (a ``ValueError`` naming the reason), the model keeps its own attention."""
     num_threads = configure_threads(config.num_threads)
-    runner = HFModelRunner(model, onednn_linears=config.uses_onednn)
+    runner = HFModelRunner(model, onednn_linears=config.uses_onednn, linear_compute_dtype=config.linear_compute_dtype)
     if runner.device.type == "cpu":
         keep_freed_memory()
+    if runner.linear_compute is not None:
+        log.info("oneDNN linears compute in %s (%s)", str(runner.linear_compute[0]).removeprefix("torch."),
+                 runner.linear_compute[1])
     # Dynamo guards a compiled graph on its thread count (see thread_governor):
     # the governor of a compiled engine moves between this count and one thread fewer, and
     # both get their compiled entry at start-up.

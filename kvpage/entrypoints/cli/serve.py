@@ -14,7 +14,7 @@ from typing import Optional
 
 from kvpage.entrypoints.cli.args import (AUTO_STEP_TARGET, DefaultsHelpFormatter, UsageError, non_negative_float, port,
                                          positive_float, positive_int, step_target)
-from kvpage.core.config import DEFAULT_DISK_CACHE_GIB, EngineConfig
+from kvpage.core.config import DEFAULT_DISK_CACHE_GIB, LINEAR_COMPUTE_DTYPES, EngineConfig
 from kvpage.core.kv_formats import KV_CACHE_DTYPES
 from kvpage.core.kv_events import KVEventsConfig
 
@@ -112,6 +112,10 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--onednn-linears", action=bool_flag, default=None,
                    help="CPU: run the linears through oneDNN (default: on, off with --exact; greedy results "
                    "may then depend on batch composition at float rounding level); takes an optional value")
+    p.add_argument("--linear-compute-dtype", choices=LINEAR_COMPUTE_DTYPES, default="auto",
+                   help="CPU, bf16/fp16 models: the dtype the oneDNN linears compute in (default auto: float32 "
+                   "where it is measured faster at load, as on AVX-512 CPUs without AMX; float32 implies "
+                   "--onednn-linears)")
     p.add_argument("--num-threads", type=int, default=None,
                    help="compute threads for torch and numba (default: the CPUs this process may use)")
     p.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",

@@ -70,7 +70,8 @@ def mode_summary(runner: "HFModelRunner") -> str:
     parts = [f"compiled forward ({compiled.compile_seconds:.1f} s to compile or load from the cache)"
              if compiled is not None else "eager"]
     if runner.onednn_linears:
-        parts.append("oneDNN linears")
+        dtype, why = runner.linear_compute
+        parts.append(f"oneDNN linears computing in {str(dtype).removeprefix('torch.')} ({why})")
     if graphs is not None:
         parts.append(f"decode steps of 1-{graphs.sizes[-1]} sequences replayed from {len(graphs.sizes)} CUDA graphs")
     return f"mode: fast ({', '.join(parts)}); --exact for greedy output identical to HF generate"
