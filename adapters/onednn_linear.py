@@ -202,7 +202,8 @@ def pick_compute_dtype(model: torch.nn.Module, setting: str = "auto") -> tuple[t
     - ``"float32"``: widened to float32;
     - ``"auto"``: float32 models stay float32; a bf16/fp16 model widens when a float32
       matmul of its widest linear runs at least 1.15x faster than one at its own dtype
-      (timed here, for a decode batch and a prompt chunk, summed) and the float32 copies
+      (timed here, for a decode batch and a prompt chunk, summed; the output embedding
+      is not the one timed) and the float32 copies
       fit in half the memory the OS has available.
 
     Raises ``ValueError`` for any other setting.
@@ -223,7 +224,12 @@ def pick_compute_dtype(model: torch.nn.Module, setting: str = "auto") -> tuple[t
     available = _available_memory()
     if available is not None and extra > available // 2:
         return dtype, f"float32 copies ({extra / 2**30:.1f} GiB) would not fit in half the available memory"
-    widest = max(linears, key=lambda m: m.weight.numel()).weight
+    # The layers' linears do most of the work; an output embedding as wide as a vocabulary
+    # is a shape of its own (and near a tie at prompt rows on AVX-512 CPUs), so it is not
+    # the one timed.
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    timed = [m for m in linears if m is not head] or linears
+    widest = max(timed, key=lambda m: m.weight.numel()).weight
     own = sum(_seconds_per_matmul(widest, dtype, rows) for rows in _TIMED_ROWS)
     wide = sum(_seconds_per_matmul(widest, torch.float32, rows) for rows in _TIMED_ROWS)
     speedup = own / wide

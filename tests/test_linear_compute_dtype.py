@@ -166,3 +166,16 @@ def test_engine_with_float32_linears_matches_hf_widened_alike():
     want = torch.log_softmax(logits, -1)[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
     torch.testing.assert_close(got, want, rtol=0, atol=0.1)
     assert (got - want).abs().mean() < 0.02
+
+
+def test_auto_times_a_layer_linear_not_the_output_embedding(monkeypatch):
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("no oneDNN bf16 matmul on this CPU")
+    model = tiny_model("llama").to(torch.bfloat16)
+    shapes = set()
+    monkeypatch.setattr(onednn_linear, "_seconds_per_matmul",
+                        lambda weight, dtype, rows, reps=5: shapes.add(tuple(weight.shape)) or 1.0)
+    pick_compute_dtype(model, "auto")
+    head = tuple(model.get_output_embeddings().weight.shape)
+    layer_shapes = {tuple(m.weight.shape) for m in model.model.modules() if isinstance(m, torch.nn.Linear)}
+    assert len(shapes) == 1 and shapes <= layer_shapes and head not in shapes
