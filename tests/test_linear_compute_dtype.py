@@ -11,28 +11,28 @@ from tiny_models import tiny_model
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch build")
 
 
-def _bf16_mlp() -> torch.nn.Sequential:
+def _bf16_mlp(dtype: torch.dtype = torch.bfloat16) -> torch.nn.Sequential:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.SiLU(), torch.nn.Linear(96, 32, bias=False)).to(
-        torch.bfloat16)
+    return torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.SiLU(), torch.nn.Linear(96, 32, bias=False)).to(dtype)
 
 
 def _wide_reference(model: torch.nn.Sequential, x: torch.Tensor) -> torch.Tensor:
-    """Each linear in float64 from the bf16 values, rounded to bf16, as the widened path
+    """Each linear in float64 from the half-precision values, rounded back, as the widened path
     rounds each output (so only the float32 summation order separates the two)."""
     h = x
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
             bias = None if layer.bias is None else layer.bias.double()
-            h = torch.nn.functional.linear(h.double(), layer.weight.double(), bias).to(torch.bfloat16)
+            h = torch.nn.functional.linear(h.double(), layer.weight.double(), bias).to(x.dtype)
         else:
             h = layer(h)
     return h
 
 
-def test_widened_linears_compute_in_float32_and_keep_the_weights():
-    model = _bf16_mlp()
-    x = torch.randn(5, 7, 64).to(torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_widened_linears_compute_in_float32_and_keep_the_weights(dtype):
+    model = _bf16_mlp(dtype)
+    x = torch.randn(5, 7, 64).to(dtype)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with torch.inference_mode():
         undo = use_onednn_linears(model, torch.float32)
@@ -41,10 +41,10 @@ def test_widened_linears_compute_in_float32_and_keep_the_weights():
         assert onednn_linear._REORDERED[model[0].weight.data_ptr()].bias.dtype == torch.float32
         got = model(x)
         undo()
-    assert got.dtype == torch.bfloat16 and got.shape == (5, 7, 32)
-    # one bf16 rounding step apart at most (float32 vs float64 sums landing either side)
+    assert got.dtype == dtype and got.shape == (5, 7, 32)
+    # one rounding step apart at most (float32 vs float64 sums landing either side)
     torch.testing.assert_close(got, _wide_reference(model, x), rtol=2 ** -7, atol=1e-3)
-    assert all(torch.equal(v, before[k]) and v.dtype == torch.bfloat16 for k, v in model.state_dict().items())
+    assert all(torch.equal(v, before[k]) and v.dtype == dtype for k, v in model.state_dict().items())
     assert type(model[0]) is torch.nn.Linear and not onednn_linear._REORDERED
 
 
