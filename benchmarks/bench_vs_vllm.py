@@ -10,7 +10,8 @@ that row an error, not an abort) and each kvpage mode of ``--kvpage-flags``:
 - otherwise atoms joined by ``+``: ``exact`` (``exact``: eager, torch's linears), ``eager`` /
   ``compiled`` (``enforce_eager`` True / False), ``onednn`` / ``no-onednn``
   (``onednn_linears``), ``model-linears`` / ``wide-linears`` (``linear_compute_dtype``
-  "model" / "float32"); e.g. ``compiled+no-onednn``.
+  "model" / "float32"), ``step-auto`` / ``step-off`` / ``step-N`` (``max_step_ms`` "auto",
+  None, N ms); e.g. ``compiled+no-onednn``.
   Default: ``defaults exact``. vLLM always runs with its defaults.
 
 Offline (default): the same ``--num-prompts`` requests (64; log-normal prompts of about
@@ -80,6 +81,10 @@ def kvpage_mode(name: str) -> tuple[dict, list[str]]:
     """``defaults`` or ``+``-joined atoms of ``MODE_ATOMS`` -> (LLM keywords, serve flags)."""
     options, flags = {}, []
     for atom in ([] if name == "defaults" else name.split("+")):
+        if atom.startswith("step-") and atom[5:].isdigit():  # a fixed step-time target, ms
+            options["max_step_ms"] = float(atom[5:])
+            flags += ["--max-step-ms", atom[5:]]
+            continue
         if atom not in MODE_ATOMS:
             raise ValueError(f"kvpage mode {name!r}: unknown part {atom!r}; use defaults or "
                              f"+-joined parts of {', '.join(MODE_ATOMS)}")
