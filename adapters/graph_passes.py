@@ -74,13 +74,36 @@ def _record_example_value(node: torch.fx.Node) -> None:
         node.meta["example_value"] = node.target(*args)
 
 
+def _merge_repeated_casts(gm: torch.fx.GraphModule) -> int:
+    """Make every ``y.to(dtype)`` of one ``y`` and dtype the first such node, so that
+    linears computing wider than the model (each casting its own input) share one input;
+    returns how many casts it removed."""
+    first: dict[tuple, torch.fx.Node] = {}
+    merged = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_method" or node.target != "to" or node.kwargs or len(node.args) != 2:
+            continue
+        if not isinstance(node.args[1], torch.dtype):
+            continue
+        key = (node.args[0], node.args[1])
+        if key in first:
+            node.replace_all_uses_with(first[key])
+            gm.graph.erase_node(node)
+            merged += 1
+        else:
+            first[key] = node
+    return merged
+
+
 def fuse_sibling_linears(gm: torch.fx.GraphModule) -> int:
     """Rewrite ``gm`` in place (a dynamo graph); returns how many fused calls it made.
 
     A group is every ``kvpage::onednn_linear`` call on one input node whose weights'
-    shapes are known, with biases on all members or none. The fused call goes where the
-    group's first member was; weight nodes defined later (``get_attr``) move up to it.
+    shapes are known, with biases on all members or none (repeated casts of one node to
+    one dtype count as one input). The fused call goes where the group's first member
+    was; weight nodes defined later (``get_attr``) move up to it.
     """
+    merged = _merge_repeated_casts(gm)
     groups: dict[torch.fx.Node, list[torch.fx.Node]] = defaultdict(list)
     for node in gm.graph.nodes:
         if _linear_call(node) and isinstance(node.args[0], torch.fx.Node):
@@ -110,7 +133,7 @@ def fuse_sibling_linears(gm: torch.fx.GraphModule) -> int:
             member.replace_all_uses_with(part)
             gm.graph.erase_node(member)
         fused_calls += 1
-    if fused_calls:
+    if fused_calls or merged:
         gm.graph.lint()
         gm.recompile()
     return fused_calls

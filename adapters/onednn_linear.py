@@ -124,7 +124,7 @@ class OneDnnLinear(torch.nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
-        dtype = compute_dtype or linear.weight.dtype
+        dtype = self.compute_dtype = compute_dtype or linear.weight.dtype
         _forget_fused(linear.weight.data_ptr())
         with torch.no_grad():
             bias = None if linear.bias is None else linear.bias.detach().to(dtype)
@@ -135,7 +135,11 @@ class OneDnnLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != self.weight.dtype or torch.is_grad_enabled() and self.weight.requires_grad:
             return self.original[0](x)
-        return onednn_linear(x, self.weight, self.bias)
+        if self.compute_dtype == x.dtype:
+            return onednn_linear(x, self.weight, self.bias)
+        # The casts stay outside the op, so that a compiled graph fuses them into the ops
+        # that make the input and use the output (graph_passes merges siblings' casts).
+        return onednn_linear(x.to(self.compute_dtype), self.weight, self.bias).to(x.dtype)
 
     def release(self) -> None:
         _REORDERED.pop(self.weight.data_ptr(), None)

@@ -70,6 +70,27 @@ def test_sibling_linears_fuse_into_one_matmul_per_input():
     assert set(_FUSED) <= before, "restoring the linears drops the fused weights"
 
 
+def test_widened_siblings_share_their_cast_and_fuse():
+    """A bf16 model's linears computing in float32 each cast their input: the casts of one
+    input merge, and the siblings still fuse (the casts stay outside the op for inductor)."""
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("no oneDNN bf16 matmul on this CPU")
+    torch.manual_seed(0)
+    model = Siblings().to(torch.bfloat16)
+    x = torch.randn(5, 32).to(torch.bfloat16)
+    undo = use_onednn_linears(model, torch.float32)
+    try:
+        with torch.inference_mode():
+            want = model(x)  # eager, widened
+        out, seen = _run(model, [graph_passes.fuse_sibling_linears], x)
+        assert seen["counts"] == [2]
+        assert seen["targets"].count(torch.ops.kvpage.onednn_linear_fused.default) == 2
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out, want, rtol=2 ** -7, atol=1e-2)
+    finally:
+        undo()
+
+
 def test_members_with_and_without_bias_stay_separate():
     torch.manual_seed(1)
     model = Siblings(bias_on_k_only=True)
