@@ -11,7 +11,9 @@ weight (``QKVParallelLinear``, ``MergedColumnParallelLinear``); kvpage cannot ch
 model's code, so it merges them in the traced graph instead: ``fuse_sibling_linears``
 rewrites every set of ``kvpage::onednn_linear`` calls on one input into a single
 ``kvpage::onednn_linear_fused`` call whose output columns are the members' outputs side by
-side, each member's use reading its column range.
+side, each member's use reading its column range. Linears that compute wider than the
+model each cast their input; repeated casts of one node to one dtype are merged first, so
+that such siblings share one input.
 
 Why: one matmul over the members' weights side by side is faster than the members one
 after another (fewer, larger oneDNN calls; docs/performance.md has the measurements), and
