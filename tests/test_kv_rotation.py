@@ -1,4 +1,4 @@
-"""int4 KV stores heads rotated by an orthonormal Hadamard matrix (``kvpage.attention.kv_rotation``),
+"""fp8 and int4 KV store heads rotated by an orthonormal Hadamard matrix (``kvpage.attention.kv_rotation``),
 behind ``adapters.rotated_backend.RotatedBackend``: what it stores, what it returns, and why."""
 from __future__ import annotations
 
@@ -26,8 +26,9 @@ def test_rotation_is_symmetric_orthonormal_and_block_diagonal(head_dim, block):
     assert nonzero[:block, :block].all() and not nonzero[:block, block:].any()
 
 
-def test_only_int4_rotates():
-    assert [n for n in ("fp8_e4m3", "fp8_e5m2", "int8", "int4", "bfloat16") if rotates(KVFormat(n))] == ["int4"]
+def test_fp8_and_int4_rotate():
+    assert [n for n in ("fp8_e4m3", "fp8_e5m2", "int8", "int4", "bfloat16") if rotates(KVFormat(n))] == [
+        "fp8_e4m3", "fp8_e5m2", "int4"]
 
 
 def _decode_step(seq_len: int) -> StepMetadata:
@@ -79,5 +80,21 @@ def test_rotation_shrinks_int4_error_on_keys_with_outlier_channels():
     rotated = dequantize_rows(*quantize_rows(k @ r, fmt), fmt) @ r.T
     # the error that matters is the scores': q . k over the head
     q = rng.standard_normal((256, D)).astype(np.float32)
+    err = lambda approx: np.abs(np.einsum("td,thd->th", q, approx - k)).mean()  # noqa: E731
+    assert err(rotated) < 0.5 * err(plain)
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
+def test_rotation_shrinks_fp8_score_error_where_queries_share_the_outlier_channel(name):
+    """fp8 keeps an exponent per value, yet its 2-3 mantissa bits round an outlier channel by
+    an amount as large as the outlier; where the queries carry the same channel (as LLMs'
+    do), that error dominates q . k, and rotation spreads it over the row."""
+    rng = np.random.default_rng(2)
+    k = _keys_with_an_outlier_channel(rng, 256)
+    q = rng.standard_normal((256, D)).astype(np.float32)
+    q[:, 5] *= 10.0
+    fmt, r = KVFormat(name), hadamard_rotation(D)
+    plain = dequantize_rows(*quantize_rows(k, fmt), fmt)
+    rotated = dequantize_rows(*quantize_rows(k @ r, fmt), fmt) @ r.T
     err = lambda approx: np.abs(np.einsum("td,thd->th", q, approx - k)).mean()  # noqa: E731
     assert err(rotated) < 0.5 * err(plain)

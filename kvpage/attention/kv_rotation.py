@@ -1,15 +1,19 @@
-"""The Hadamard rotation of int4 KV: heads are stored rotated, so no channel's outlier sets a row's scale.
+"""The Hadamard rotation of fp8 and int4 KV: heads are stored rotated, so no channel's outlier dominates a row's rounding.
 
 A key or value row quantized to 4 bits per token loses most where a few channels carry
 much larger values than the rest (keys have such outlier channels): the row's scale
-follows the outliers and the other channels round to a handful of codes. Multiplying each
+follows the outliers and the other channels round to a handful of codes. In fp8 each value
+keeps its own exponent, but its 3 (E4M3) or 2 (E5M2) mantissa bits round an outlier channel
+by an amount as large as the outlier, and where queries have the same outlier channels that
+error dominates ``q . k``; rotated, it is spread over the whole row. Multiplying each
 head's rows by an orthonormal Hadamard matrix ``R`` spreads every channel over all of
 them, so the rotated row is near Gaussian and quantizes well; since ``R`` is orthonormal,
 ``(q R) . (k R) = q . k`` and ``sum_j p_j (v_j R) = (sum_j p_j v_j) R``. Attention over an
 int4 cache therefore runs on ``q R`` and rotated K/V rows, and its output is turned back
 with ``R^T`` (``R`` is symmetric, so ``R^T = R``). Rotation is per token, so stored bytes
 still depend on nothing but the token's own values. On SmolLM2-135M, int4 with the rotation
-costs about a quarter of the perplexity the same format costs without it (``docs/memory.md``).
+costs about a quarter of the perplexity the same format costs without it, and fp8_e4m3 about
+four fifths (``docs/memory.md``).
 
 ``R`` is block-diagonal: Sylvester Hadamard blocks of the largest power of two dividing the
 head size, at most :data:`MAX_BLOCK` (rotating across the int4 groups spreads an outlier over
@@ -28,9 +32,8 @@ MAX_BLOCK = 128
 
 
 def rotates(fmt: KVFormat) -> bool:
-    """Whether heads are stored rotated in this format (int4 only: fp8 and int8 lose nothing
-    measurable without it, and fp8 loses a little with it)."""
-    return fmt.name == "int4"
+    """Whether heads are stored rotated in this format (:attr:`KVFormat.rotated`: fp8 and int4)."""
+    return fmt.rotated
 
 
 @functools.lru_cache(maxsize=None)
