@@ -11,7 +11,7 @@ Other backends join with ``register_attention_backend(name, factory)``.
 A KV cache of a quantized format (``kv_cache_dtype`` fp8, int8, int4: uint8 ``[num_blocks,
 block_bytes]`` buffers, ``kvpage.core.kv_formats``) is a backend's to read: ``select_backend``
 hands the ``CacheFormat`` to the factory, and all three built-in backends take every format.
-Where the format stores heads rotated (int4), the backend comes wrapped in ``RotatedBackend``.
+Where the format stores heads rotated (fp8, int4), the backend comes wrapped in ``RotatedBackend``.
 """
 from __future__ import annotations
 

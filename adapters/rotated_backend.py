@@ -1,8 +1,8 @@
-"""An attention backend over a cache that stores heads rotated (int4 KV: ``kvpage.attention.kv_rotation``).
+"""An attention backend over a cache that stores heads rotated (fp8 and int4 KV: ``kvpage.attention.kv_rotation``).
 
 ``RotatedBackend`` wraps any backend: K/V rows are rotated before they are stored, queries
 before they attend, and the result is rotated back, so the backend's kernels see an
-ordinary int4 cache and never know. Scores and softmax are unchanged by an orthonormal
+ordinary fp8 or int4 cache and never know. Scores and softmax are unchanged by an orthonormal
 rotation (sliding windows, softcap and sinks included); only the values' rounding is.
 """
 from __future__ import annotations

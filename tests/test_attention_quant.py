@@ -348,7 +348,7 @@ def test_backends_write_and_attend_quantized_caches(name):
     for backend_name in ("reference", "cpu"):
         backend = select_backend(backend_name, torch.device("cpu"), case.fmt)
         assert backend.cache_format == case.fmt
-        if isinstance(backend, RotatedBackend):  # int4 stores heads rotated: tests/test_kv_rotation.py
+        if isinstance(backend, RotatedBackend):  # fp8 and int4 store heads rotated: tests/test_kv_rotation.py
             backend = backend.inner
         kc, vc = torch.zeros(case.kc.shape, dtype=torch.uint8), torch.zeros(case.vc.shape, dtype=torch.uint8)
         prepared = backend.prepare(md)
