@@ -184,7 +184,7 @@ class EngineConfig:
             model's dtype), "bfloat16", "float16", "float32", or a quantized format with
             per-token scales: "fp8" (= "fp8_e4m3"), "fp8_e5m2", "int8", "int4"
             (``kvpage.core.kv_formats``; docs/memory.md). A quantized format holds about 2x
-            (fp8, int8) or 3.5x (int4) the tokens of bf16 in one byte budget.
+            (fp8, int8) or 3.2x (int4) the tokens of bf16 in one byte budget.
         device: "auto", "cpu" or "cuda[:i]".
         attention_backend: a registered backend name, or "auto".
         exact: greedy output equal to HF ``generate`` token for token: the model runs op by

@@ -69,7 +69,7 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
                    help="weights and KV dtype; auto is float32 on CPU and float16 on GPU")
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                    help="how the KV cache stores keys and values: auto (the model's dtype), an unquantized dtype, "
-                        "or fp8 (= fp8_e4m3), fp8_e5m2, int8, int4 with per-token scales (about 2x or 3.5x the "
+                        "or fp8 (= fp8_e4m3), fp8_e5m2, int8, int4 with per-token scales (about 2x or 3.2x the "
                         "tokens of bf16 in one budget)")
     p.add_argument("--device", type=parse_device, default="auto", metavar="{auto,cpu,cuda,cuda:N}",
                    help="where the model runs; auto takes a CUDA device when there is one")
