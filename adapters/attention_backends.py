@@ -24,7 +24,6 @@ import torch
 
 from kvpage.attention.cpu import CPUAttention, CPUKernelChoice
 from kvpage.attention.cpu_metadata import CPUAttentionMetadata, LayerCall, prepare_cpu_attention_metadata
-from kvpage.attention.kv_rotation import rotates
 from kvpage.attention.reference import paged_attention_reference, quantized, write_kv_reference
 from kvpage.core.kv_formats import CacheFormat
 from kvpage.core.sched.metadata import StepMetadata
@@ -231,7 +230,7 @@ def select_backend(name: str, device: torch.device, cache_format: Optional[Cache
         raise ValueError(f"attention backend {name!r} cannot read kv_cache_dtype {fmt.kv_format.name} "
                          f"KV caches; use an unquantized one or another backend")
     backend = factory(device, fmt)
-    return RotatedBackend(backend) if rotates(fmt.kv_format) else backend
+    return RotatedBackend(backend) if fmt.kv_format.rotated else backend
 
 
 def _takes_two_arguments(factory: BackendFactory) -> bool:

@@ -23,9 +23,10 @@ exactly as long as the swap.
 reordered copy is then the weight widened to float32, and each ``OneDnnLinear`` widens its
 input and rounds its output back to the model's dtype. The casts are outside the op, so
 that a compiled graph fuses them into the neighbouring elementwise kernels (measured 1.10x
-offline against casts inside the op; ``graph_passes`` merges siblings' casts of one input). A product of two bf16 (or fp16) values is exact
-in float32 and oneDNN's half-precision matmul accumulates in float32 too, so the widened
-matmul is the same sum of the same products, in another order. Where a CPU's half-precision
+offline against casts inside the op; ``graph_passes`` merges siblings' casts of one input).
+A product of two bf16 (or fp16) values is exact in float32 and oneDNN's half-precision
+matmul accumulates in float32 too, so the widened matmul is the same sum of the same
+products, in another order. Where a CPU's half-precision
 matmul is slower than its float32 one (AVX-512 without AMX: oneDNN's bf16 kernels run at
 about half the float32 rate there), the wide matmul is the faster one, at the price of a
 copy twice the size (``pick_compute_dtype`` measures both on the model's own weight and

@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch")
 
 from kvpage.adapters.attention_backends import select_backend  # noqa: E402
 from kvpage.adapters.rotated_backend import RotatedBackend  # noqa: E402
-from kvpage.attention.kv_rotation import hadamard_rotation, rotates  # noqa: E402
+from kvpage.attention.kv_rotation import hadamard_rotation  # noqa: E402
 from kvpage.core.kv_formats import CacheFormat, KVFormat  # noqa: E402
 from kvpage.core.sched.metadata import StepMetadata  # noqa: E402
 from kvpage.kernels.kv_quant import block_views, dequantize_rows, quantize_rows  # noqa: E402
@@ -27,7 +27,7 @@ def test_rotation_is_symmetric_orthonormal_and_block_diagonal(head_dim, block):
 
 
 def test_fp8_and_int4_rotate():
-    assert [n for n in ("fp8_e4m3", "fp8_e5m2", "int8", "int4", "bfloat16") if rotates(KVFormat(n))] == [
+    assert [n for n in ("fp8_e4m3", "fp8_e5m2", "int8", "int4", "bfloat16") if KVFormat(n).rotated] == [
         "fp8_e4m3", "fp8_e5m2", "int4"]
 
 

@@ -8,8 +8,9 @@ by an amount as large as the outlier, and where queries have the same outlier ch
 error dominates ``q . k``; rotated, it is spread over the whole row. Multiplying each
 head's rows by an orthonormal Hadamard matrix ``R`` spreads every channel over all of
 them, so the rotated row is near Gaussian and quantizes well; since ``R`` is orthonormal,
-``(q R) . (k R) = q . k`` and ``sum_j p_j (v_j R) = (sum_j p_j v_j) R``. Attention over an
-int4 cache therefore runs on ``q R`` and rotated K/V rows, and its output is turned back
+``(q R) . (k R) = q . k`` and ``sum_j p_j (v_j R) = (sum_j p_j v_j) R``. Attention over a
+rotated cache (:attr:`KVFormat.rotated <kvpage.core.kv_formats.KVFormat.rotated>`: fp8 and
+int4) therefore runs on ``q R`` and rotated K/V rows, and its output is turned back
 with ``R^T`` (``R`` is symmetric, so ``R^T = R``). Rotation is per token, so stored bytes
 still depend on nothing but the token's own values. On SmolLM2-135M, int4 with the rotation
 costs about a quarter of the perplexity the same format costs without it, and fp8_e4m3 about
@@ -25,15 +26,8 @@ import functools
 
 import numpy as np
 
-from kvpage.core.kv_formats import KVFormat
-
 #: The largest Hadamard block (a head of 256 is rotated as two blocks of 128).
 MAX_BLOCK = 128
-
-
-def rotates(fmt: KVFormat) -> bool:
-    """Whether heads are stored rotated in this format (:attr:`KVFormat.rotated`: fp8 and int4)."""
-    return fmt.rotated
 
 
 @functools.lru_cache(maxsize=None)

@@ -26,9 +26,10 @@ name           one head's row of ``D`` values: codes, then scales      bytes per
 ``G`` (:func:`int4_group`) is 32 where the head size is a multiple of 32, else the whole
 head. The fp8 and int4 formats store each head's K and V rows multiplied by an orthonormal
 Hadamard matrix (:attr:`KVFormat.rotated`; ``kvpage.attention.kv_rotation``), which spreads
-outlier channels over the whole row before it is rounded; int8 stores rows as they are. A quantized block of a layer is one span of bytes: the codes of its token
-rows, then their scales (:meth:`KVFormat.block_regions`), so it is self-contained: it moves as bytes through copy-on-write, the prefix cache, preemption
-and the host and disk tiers. Scales are per token (never per block or per channel across
+outlier channels over the whole row before it is rounded; int8 stores rows as they are.
+A quantized block of a layer is one span of bytes: the codes of its token rows, then their
+scales (:meth:`KVFormat.block_regions`), so it is self-contained: it moves as bytes through
+copy-on-write, the prefix cache, preemption and the host and disk tiers. Scales are per token (never per block or per channel across
 tokens), so a token's stored bytes depend only on its own K/V values: greedy output cannot
 depend on how a prompt was split into chunks or which blocks a prefix hit reused.
 
@@ -79,7 +80,7 @@ class KVFormat:
     @property
     def rotated(self) -> bool:
         """Whether rows are stored Hadamard-rotated (fp8 and int4): part of the bytes' meaning,
-        so the disk tier's fingerprint names it. int8 rounds fine enough without it; fp8's
+        so the disk tier's fingerprint version changed when fp8 began to rotate. int8 rounds fine enough without it; fp8's
         3 (E4M3) or 2 (E5M2) mantissa bits round a key's outlier channels coarsely, and the
         error of q . k follows them (``docs/memory.md``)."""
         return self.is_fp8 or self.name == "int4"

@@ -4,8 +4,8 @@ It hashes what determines a block's KV bytes: the model class and configuration 
 bookkeeping keys such as its path), a sample of every parameter (name, shape, dtype and
 the bytes of its first and last elements, so fine-tunes of one architecture differ), the
 KV layout (layers, heads, head size), the model's dtype, the KV cache format (a block
-written as int8 is never read as fp8: version 2 added it; version 3 adds whether rows are stored
-rotated, since fp8 blocks of version 2 were not) and the block size. The sample keeps
+written as int8 is never read as fp8: version 2 added it; version 3: fp8 rows are now stored
+rotated, which version 2's were not) and the block size. The sample keeps
 it fast (milliseconds for a 135M model); a change that leaves every sampled element
 untouched would go unnoticed, which no real training run does.
 """
@@ -36,8 +36,7 @@ def model_fingerprint(model: Any, spec: KVCacheSpec) -> str:
     digest = hashlib.sha256()
     layers = tuple((layer.k_heads, layer.k_head_dim, layer.v_heads, layer.v_head_dim, layer.reuses)
                    for layer in spec.layers)
-    layout = (FINGERPRINT_VERSION, type(model).__name__, layers, spec.block_size, spec.dtype, spec.kv_format.name,
-              spec.kv_format.rotated)
+    layout = (FINGERPRINT_VERSION, type(model).__name__, layers, spec.block_size, spec.dtype, spec.kv_format.name)
     digest.update(repr(layout).encode())
     digest.update(_config_json(model).encode())
     with torch.no_grad():
