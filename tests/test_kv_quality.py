@@ -51,3 +51,33 @@ def test_perplexity_within_the_formats_bound(quality, name):
     assert row.tokens == base.tokens > 8000
     assert 1.0 < base.perplexity < 100.0  # the model reads English: a sane perplexity
     assert row.perplexity <= base.perplexity * (1 + BOUNDS[name]), (name, row.perplexity, base.perplexity)
+
+
+def test_the_window_emulation_reads_what_the_cache_stores():
+    """``benchmarks/kv_window_emulation.py``: its round trip is the engine's bytes read back
+    (int4 rows rotated, then turned back), and its window masks hold the keys it says."""
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    try:
+        from kv_window_emulation import full_precision_mask, round_trip
+    finally:
+        sys.path.pop(0)
+    from kvpage.attention.kv_rotation import rotate
+    from kvpage.attention.quantized_torch import dequantize_rows_torch
+    from kvpage.core.kv_formats import resolve_kv_format
+    from kvpage.kernels import kv_quant
+
+    fmt = resolve_kv_format("int4", "float32")
+    x = torch.randn(1, 2, 5, 64, generator=torch.Generator().manual_seed(0))
+    codes, scales = kv_quant.quantize_rows(rotate(x).numpy(), fmt)
+    stored = rotate(dequantize_rows_torch(torch.from_numpy(codes), torch.from_numpy(scales), fmt))
+    torch.testing.assert_close(round_trip(x, fmt), stored)
+    assert not torch.equal(round_trip(x, fmt), x)
+    window = full_precision_mask(6, 2, 0)
+    assert window[5].tolist() == [False, False, False, False, True, True] and window[0, 0]
+    own = full_precision_mask(6, 0, 4)
+    assert own[5].tolist() == [False, False, False, False, True, True] and own[3].tolist()[:4] == [True] * 4
