@@ -1,11 +1,13 @@
 """Quantized KV blocks through the whole engine: output independent of scheduling, and blocks
 that move byte for byte through the host and disk tiers.
 
-Every run is fp32 (batch-invariant) on a tiny random Llama. A token's stored bytes depend
-only on its own K/V values (per-token scales) and attention reads K/V back from the cache,
-so greedy tokens must be identical, token for token, whether a prompt is prefilled whole or
-in chunks, hits the prefix cache or not, and is preempted and recomputed or not; and a
-block that went to the host or disk tier and came back holds the very bytes it left with.
+Every run is fp32 on a tiny random Llama. A token's stored bytes depend only on its own K/V
+values (per-token scales) and attention reads K/V back from the cache, so greedy tokens must
+be identical, token for token, whether a prompt is prefilled whole or in chunks, hits the
+prefix cache or not, and is preempted and recomputed or not (a K/V value's last bit can
+still follow the batch's row count through torch's matmuls, but on this model and these
+prompts it never moves a token); and a block that went to the host or disk tier and came
+back holds the very bytes it left with.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The tiered prefix cache end to end: exact greedy output, restarts, and disk faults.
 
-Every run is fp32 (batch-invariant) on tiny random models. A "conversation" workload sends
+Every run is fp32 on tiny random models. A "conversation" workload sends
 prompts over a pool far too small for them (so blocks are evicted and requests preempted),
 then sends each prompt again with its output and a new message (the next turn), so the
 second round hits blocks that only the host or disk tier still holds. Greedy tokens must

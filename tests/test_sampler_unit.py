@@ -298,3 +298,24 @@ def test_min_tokens_keeps_raw_logprobs_and_ignores_ids_past_the_vocabulary():
     raw = torch.log_softmax(logits[0], dim=-1)[tokens(result)[0]]
     assert result.token_logprobs[0] == pytest.approx(float(raw), rel=1e-6)  # the model's, not the masked one
     assert logits[0, top] > logits[0, tokens(result)[0]]  # the input logits are left untouched
+
+
+def test_logit_bias_shifts_the_draw_not_the_logprobs():
+    logits = random_logits(2, seed=5, scale=2.0)
+    best = torch.argmax(logits, dim=-1).tolist()
+    banned = SamplingParams(temperature=0, logprobs=1, logit_bias={best[0]: -100})
+    forced = SamplingParams(temperature=0.7, seed=3, logit_bias={3: 100})
+    result = Sampler().sample(logits.clone(), [req(banned), req(forced)])
+    second = torch.topk(logits[0], 2).indices[1].item()
+    assert tokens(result) == [second, 3]
+    raw = torch.log_softmax(logits[0], -1)[second].item()
+    assert result.token_logprobs[0] == pytest.approx(raw)  # the model's raw distribution
+    ignored = SamplingParams(temperature=0, logit_bias={V + 5: 100})  # past the vocabulary: no effect
+    assert tokens(Sampler().sample(logits.clone(), [req(ignored), req(ignored)])) == best
+
+
+@pytest.mark.parametrize("bias, message", [({1: 101}, r"\[-100, 100\]"), ({-1: 1}, "non-negative token ids"),
+                                           ({"5": 1}, "non-negative token ids"), ([1, 2], "must map token ids")])
+def test_bad_logit_bias_is_a_value_error(bias, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(logit_bias=bias)

@@ -123,6 +123,11 @@ def test_kv_tier_and_event_flags_reach_the_config():
     (["--block-size", "3"], "block_size must be a power of two"),
     (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization must be in"),
     (["--num-threads", "0"], "num_threads must be a positive integer"),
+    (["--max-num-seqs", "0"], "max_num_seqs must be a positive integer"),  # before the model loads
+    (["--max-num-batched-tokens", "0"], "max_num_batched_tokens must be a positive integer"),
+    (["--max-waiting", "-1"], "--max-waiting: must be >= 1"),
+    (["--max-tokens-cap", "-5"], "--max-tokens-cap: must be >= 1"),
+    (["--max-body-bytes", "0"], "not a size of at least one byte"),
     (["--port", "70000"], "a port is in 0-65535"),
     (["--max-request-seconds", "-1"], "--max-request-seconds"),
     (["--stats-interval-s", "-1"], "--stats-interval-s"),

@@ -79,6 +79,21 @@ def test_completion_matches_offline_greedy(client, offline):
     assert out.usage.completion_tokens == len(expected.outputs[0].token_ids)
 
 
+def test_logit_bias_bans_and_forces_tokens(client, offline):
+    """OpenAI's ``logit_bias``: -100 bans the greedy token, +100 forces another; the offline
+    engine with the same bias gives the same text."""
+    greedy = SamplingParams(max_tokens=4, temperature=0)
+    first = offline.generate(["Hello there"], greedy, use_tqdm=False)[0].outputs[0].token_ids[0]
+    forced = (first + 7) % 50
+    for bias in ({first: -100}, {forced: 100}):
+        out = client.completions.create(model="tiny", prompt="Hello there", max_tokens=4, temperature=0,
+                                        logit_bias={str(k): v for k, v in bias.items()})
+        biased = offline.generate(["Hello there"], SamplingParams(max_tokens=4, temperature=0, logit_bias=bias),
+                                  use_tqdm=False)[0].outputs[0]
+        assert out.choices[0].text == biased.text
+        assert biased.token_ids[0] != first if bias == {first: -100} else set(biased.token_ids) == {forced}
+
+
 def test_chat_completion_uses_the_chat_template(client, offline):
     out = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
                                          max_tokens=6, temperature=0)
@@ -204,6 +219,13 @@ BAD_BODIES = [
     ("/v1/completions", {"prompt": "hi", "temperature": -1}, "temperature"),
     ("/v1/completions", {"prompt": "hi", "top_p": 0}, "top_p"),
     ("/v1/completions", {"prompt": "x" * 300}, "context length"),
+    ("/v1/completions", {"prompt": "x" * 100, "max_tokens": 60}, "maximum context length is 128"),
+    ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, "stream=true"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"abc": 1}}, "token ids"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 200}}, r"\[-100, 100\]"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"100000": 5}}, "outside the vocabulary"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
+     "needs logprobs"),
     ("/v1/completions", {"prompt": [1, 2, 100000]}, "vocabulary"),
     ("/v1/completions", {"prompt": ""}, "empty"),
     ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, "does not exist"),

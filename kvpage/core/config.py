@@ -252,7 +252,10 @@ class EngineConfig:
         self._check_mode()
         _check_max_step_ms(self.max_step_ms, self.enable_chunked_prefill)
         object.__setattr__(self, "kv_events_config", KVEventsConfig.parse(self.kv_events_config))
-        for name in ("num_kv_blocks", "kv_cache_memory", "max_model_len", "num_threads"):
+        # Checked here too, not only by SchedulerConfig once the model is loaded: a bad
+        # value must fail before the minutes a model load can take.
+        for name in ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "kv_cache_memory",
+                     "max_model_len", "num_threads", "max_waiting"):
             if getattr(self, name) is not None:
                 _require_positive_int(name, getattr(self, name))
         gmu = self.gpu_memory_utilization

@@ -35,6 +35,9 @@ class SamplingParams:
         frequency_penalty: in [-2, 2]; times a token's count among the generated tokens,
             subtracted from its logit (OpenAI's definition; the prompt does not count).
         priority: lower runs first under the ``priority`` scheduling policy.
+        logit_bias: token id -> a value in [-100, 100] added to its logit before penalties,
+            filters and sampling (OpenAI's ``logit_bias``; -100 in effect bans a token, +100
+            forces it). Log-probabilities stay those of the model's raw distribution.
     """
 
     n: int = 1
@@ -54,6 +57,7 @@ class SamplingParams:
     prompt_logprobs: Optional[int] = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logit_bias: Optional[dict] = None
 
     def __post_init__(self) -> None:
         # Normalize, but let a non-iterable surface as the ValueError naming the field
@@ -66,6 +70,8 @@ class SamplingParams:
             self.stop_token_ids = tuple(self.stop_token_ids or ())
         except TypeError:
             raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}") from None
+        if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
+            raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}")
         self._validate()
 
     @property
@@ -120,3 +126,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
         if not is_int(self.priority):
             raise ValueError(f"priority must be an integer, got {self.priority!r}")
+        for token, bias in (self.logit_bias or {}).items():
+            if not is_int(token) or token < 0:
+                raise ValueError(f"logit_bias keys must be non-negative token ids, got {token!r}")
+            if not is_real(bias) or not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r} for token {token}")

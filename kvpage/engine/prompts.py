@@ -39,6 +39,12 @@ class PromptEncoder:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
         return ids
 
+    def check_logit_bias(self, params: SamplingParams) -> None:
+        """``ValueError`` where ``params.logit_bias`` names a token outside the vocabulary."""
+        bad = [t for t in (params.logit_bias or {}) if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+
 
 def with_eos_stops(params: SamplingParams, eos_token_ids: Sequence[int]) -> SamplingParams:
     """A model with several EOS ids: the first is the request's EOS, the others stop ids."""

@@ -93,17 +93,23 @@ class Sampler:
 
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, requests: Sequence[Request], params_list: list) -> torch.Tensor:
-        """Repetition penalty (over prompt and output), then OpenAI's presence and frequency
-        penalties (over the output): ``logit -= frequency * count + presence * (count > 0)``.
-        Returns ``logits`` itself when no row is penalised, else a penalised copy."""
+        """``logit_bias`` (ids past the vocabulary ignored), then the repetition penalty (over
+        prompt and output), then OpenAI's presence and frequency penalties (over the output):
+        ``logit -= frequency * count + presence * (count > 0)``. Returns ``logits`` itself
+        when no row is biased or penalised, else an adjusted copy."""
         penalised = [i for i, p in enumerate(params_list)
-                     if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty]
+                     if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or p.logit_bias]
         if not penalised:
             return logits
         logits = logits.clone()
         vocab = logits.shape[1]
         for i in penalised:
             params, row = params_list[i], logits[i]
+            if params.logit_bias:
+                ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
+                bias = torch.tensor(list(params.logit_bias.values()), dtype=row.dtype)
+                inside = ids < vocab
+                row[ids[inside]] += bias[inside]
             if params.repetition_penalty != 1.0:
                 seen = torch.tensor(sorted(set(requests[i].all_token_ids)), dtype=torch.long)
                 seen = seen[seen < vocab]

@@ -33,6 +33,14 @@ def parse_bytes(text: str) -> int:
     return int(number * (1024 ** "_kmgt".index(unit) if unit else 1))
 
 
+def positive_bytes(text: str) -> int:
+    """:func:`parse_bytes` of a size of at least one byte."""
+    size = parse_bytes(text)
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size of at least one byte")
+    return size
+
+
 def kv_events_config(text: str) -> KVEventsConfig:
     """vLLM's ``--kv-events-config`` JSON object."""
     try:
@@ -66,7 +74,8 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", dest="model_flag", default=None, metavar="MODEL",
                    help="the same as the positional MODEL (vLLM's spelling); give one of the two")
     p.add_argument("--dtype", choices=DTYPES, default="auto",
-                   help="weights and KV dtype; auto is float32 on CPU and float16 on GPU")
+                   help="weights and KV dtype; auto is bfloat16 on CPUs with bf16 instructions (float32 for a "
+                        "float16 model), else float32, and float16 on GPU")
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                    help="how the KV cache stores keys and values: auto (the model's dtype), an unquantized dtype, "
                         "or fp8 (= fp8_e4m3), fp8_e5m2, int8, int4 with per-token scales (about 2x or 3.2x the "
@@ -140,9 +149,9 @@ def _server_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind")
     p.add_argument("--port", type=port, default=8000, help="TCP port to bind")
     p.add_argument("--api-key", default=None, help="require Authorization: Bearer <key> on /v1/*")
-    p.add_argument("--max-waiting", type=int, default=1024, help="waiting-queue bound; past it requests get 503")
-    p.add_argument("--max-body-bytes", type=parse_bytes, default=1 << 20, help="largest request body; past it, 413")
-    p.add_argument("--max-tokens-cap", type=int, default=4096, help="largest max_tokens a request may ask for")
+    p.add_argument("--max-waiting", type=positive_int, default=1024, help="waiting-queue bound; past it requests get 503")
+    p.add_argument("--max-body-bytes", type=positive_bytes, default=1 << 20, help="largest request body; past it, 413")
+    p.add_argument("--max-tokens-cap", type=positive_int, default=4096, help="largest max_tokens a request may ask for")
     p.add_argument("--max-request-seconds", type=positive_float, default=None,
                    help="deadline of every request, from arrival; past it the request ends with "
                         "finish_reason 'length'; a request's own 'timeout' field may shorten it (default: none)")

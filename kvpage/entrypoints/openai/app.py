@@ -75,6 +75,11 @@ def _first_validation_message(exc: RequestValidationError) -> tuple[str, Optiona
     message = first.get("msg", "invalid request")
     if first.get("type") == "json_invalid":
         return "malformed JSON body", None
+    if first.get("type") == "value_error":  # a check across fields: the error names its own parameter
+        cause = first.get("ctx", {}).get("error")
+        message = str(cause) if cause is not None else message.removeprefix("Value error, ")
+        param = param or getattr(cause, "param", None)
+        return message, param
     return (f"{param}: {message}" if param else message), param
 
 

@@ -44,12 +44,16 @@ class ServingContext:
 
 
 def _max_tokens(ctx: ServingContext, requested: Optional[int], prompt_len: int) -> int:
-    """Tokens the engine generates; ``max_tokens == 0`` (echo only) still runs one, never shown."""
+    """Tokens the engine generates; ``max_tokens == 0`` (echo only) still runs one, never shown.
+    A ``max_tokens`` past the context left after the prompt is a ``ValueError`` (as vLLM's)."""
     room = ctx.max_model_len - prompt_len
     if requested is None:
         return max(1, min(ctx.default_max_tokens, room, ctx.max_tokens_cap))
     if requested > ctx.max_tokens_cap:
         raise ValueError(f"max_tokens={requested} exceeds this server's cap of {ctx.max_tokens_cap}")
+    if requested > room:
+        raise ValueError(f"this model's maximum context length is {ctx.max_model_len} tokens, but "
+                         f"{prompt_len + requested} were requested ({prompt_len} in the prompt, max_tokens={requested})")
     return max(requested, 1)
 
 

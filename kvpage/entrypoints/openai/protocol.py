@@ -4,11 +4,17 @@ from __future__ import annotations
 
 from typing import Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvpage.core.sampling_params import SamplingParams
 
 MAX_N = 16
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: bool = False
 
 
 class _Sampling(BaseModel):
@@ -30,7 +36,9 @@ class _Sampling(BaseModel):
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     stream: bool = False
-    stream_options: Optional[dict] = None
+    stream_options: Optional[StreamOptions] = None
+    #: Token id (as a string, OpenAI's keys) -> bias in [-100, 100] added to its logit.
+    logit_bias: Optional[dict[str, float]] = None
     user: Optional[str] = None
     #: Seconds from arrival after which the request ends with finish_reason "length" (the
     #: server's --max-request-seconds, when shorter, wins).
@@ -43,11 +51,30 @@ class _Sampling(BaseModel):
                               stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
                               min_tokens=self.min_tokens, repetition_penalty=self.repetition_penalty,
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                              logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                              logprobs=logprobs, prompt_logprobs=prompt_logprobs, logit_bias=self.token_bias())
+
+    @model_validator(mode="after")
+    def _stream_options_need_a_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise _param_error("stream_options is only allowed with stream=true", "stream_options")
+        return self
+
+    def token_bias(self) -> Optional[dict[int, float]]:
+        """``logit_bias`` with integer token ids; ``ValueError`` for a key that is not one."""
+        if not self.logit_bias:
+            return None
+        bias = {}
+        for key, value in self.logit_bias.items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise _param_error(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+            bias[token] = value
+        return bias
 
     @property
     def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.get("include_usage"))
+        return self.stream_options is not None and self.stream_options.include_usage
 
 
 class CompletionRequest(_Sampling):
@@ -111,6 +138,12 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise _param_error("top_logprobs needs logprobs=true", "top_logprobs")
+        return self
 
 
 def _param_error(message: str, param: str) -> ValueError:
