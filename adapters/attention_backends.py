@@ -15,6 +15,8 @@ Where the format stores heads rotated (fp8, int4), the backend comes wrapped in 
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import inspect
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -91,14 +93,17 @@ class ReferenceBackend:
 class CpuBackend:
     """The CPU kernels (``kvpage.attention.cpu``): each attention site's native, numba or
     torch kernels chosen once, on the site's first call, under ``choice``, for buffers of
-    ``cache_format`` (None: values of the buffers' dtype)."""
+    ``cache_format`` (None: values of the buffers' dtype). ``batch_invariant`` (the engine's
+    ``EngineConfig.batch_invariant``) makes the choice ``schedule_invariant``."""
 
     name = "cpu"
 
     def __init__(self, device: torch.device, cache_format: Optional[CacheFormat] = None,
-                 choice: CPUKernelChoice = CPUKernelChoice()) -> None:
+                 choice: CPUKernelChoice = CPUKernelChoice(), *, batch_invariant: bool = False) -> None:
         self.device = device
         self.cache_format = quantized(cache_format)
+        if batch_invariant:
+            choice = dataclasses.replace(choice, schedule_invariant=True)
         self.site_kernels = CPUAttention(choice, self.cache_format)  # bound on each site's first call
 
     def prepare(self, metadata: StepMetadata) -> CPUAttentionMetadata:
@@ -211,18 +216,25 @@ def attention_backend_names() -> list[str]:
     return ["auto", *_REGISTRY]
 
 
-def select_backend(name: str, device: torch.device, cache_format: Optional[CacheFormat] = None) -> AttentionBackend:
+def select_backend(name: str, device: torch.device, cache_format: Optional[CacheFormat] = None,
+                   batch_invariant: bool = False) -> AttentionBackend:
     """The backend registered as ``name``; ``"auto"`` is ``cuda`` on a GPU and ``cpu`` otherwise.
 
     ``cache_format``: the KV buffers' (``KVCacheSpec.cache_format``). None or unquantized:
     ``factory(device)``; quantized: ``factory(device, cache_format)``, and ``ValueError``
-    (one line) where the backend cannot read that format.
+    (one line) where the backend cannot read that format. ``batch_invariant``: a factory
+    with a ``batch_invariant`` keyword gets it; one without is a ``ValueError``.
     """
     if name == "auto":
         name = "cuda" if device.type == "cuda" else "cpu"
     factory = _REGISTRY.get(name)
     if factory is None:
         raise ValueError(f"unknown attention backend {name!r}; expected one of {attention_backend_names()}")
+    if batch_invariant:
+        if not _takes_keyword(factory, "batch_invariant"):
+            raise ValueError(f"attention backend {name!r} has no batch-invariant mode (batch_invariant runs on the "
+                             f"CPU backend)")
+        factory = functools.partial(factory, batch_invariant=True)
     fmt = quantized(cache_format)
     if fmt is None:
         return factory(device)
@@ -231,6 +243,13 @@ def select_backend(name: str, device: torch.device, cache_format: Optional[Cache
                          f"KV caches; use an unquantized one or another backend")
     backend = factory(device, fmt)
     return RotatedBackend(backend) if fmt.kv_format.rotated else backend
+
+
+def _takes_keyword(factory: BackendFactory, name: str) -> bool:
+    try:
+        return name in inspect.signature(factory).parameters
+    except ValueError:  # no signature to read (a builtin)
+        return False
 
 
 def _takes_two_arguments(factory: BackendFactory) -> bool:

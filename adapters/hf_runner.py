@@ -34,6 +34,7 @@ from .families import needs_port, port_refusal
 from .forward_context import AttentionBackend, AttentionSite, ProbeContext, StepContext, forward_context
 from .layer_kinds import attention_modules, attention_modules_of_layer, unsupported_layer_reason
 from .onednn_linear import onednn_available, pick_compute_dtype, use_onednn_linears
+from .row_tiled_linear import use_row_tiled_linears
 from .position_relay import relay_position_ids
 from .recurrent_state import (RecurrentStateSlots, StateEntry, chunked_prefill_is_exact, probe_state_layout,
                               state_argument)
@@ -99,7 +100,7 @@ class HFModelRunner:
     layer order; ``layer_specs`` their layouts."""
 
     def __init__(self, model: torch.nn.Module, onednn_linears: bool = False,
-                 linear_compute_dtype: str = "auto") -> None:
+                 linear_compute_dtype: str = "auto", row_tiled_linears: bool = False) -> None:
         self.state_layout = check_supported(model)
         # Whether a prompt may be fed in chunks: the model's prefill resumes from stored state.
         self.chunks_resume_state = not self.state_layout or chunked_prefill_is_exact(model)
@@ -124,6 +125,8 @@ class HFModelRunner:
             if self.onednn_linears:
                 self.linear_compute = pick_compute_dtype(model, linear_compute_dtype)
                 self._undo.callback(use_onednn_linears(model, self.linear_compute[0]))
+            elif row_tiled_linears:  # batch-invariant linears (EngineConfig.batch_invariant)
+                self._undo.callback(use_row_tiled_linears(model))
             self.kv_dtype = self._probe_sites()
         except BaseException:
             self.restore()

@@ -7,7 +7,8 @@ that row an error, not an abort) and each kvpage mode of ``--kvpage-flags``:
 
 - ``defaults``: no extra option (what a user gets from ``LLM(MODEL)`` / ``kvpage serve MODEL``:
   on CPU the compiled forward with oneDNN linears);
-- otherwise atoms joined by ``+``: ``exact`` (``exact``: eager, torch's linears), ``eager`` /
+- otherwise atoms joined by ``+``: ``exact`` (``exact``: eager, torch's linears),
+  ``batch-invariant`` (``batch_invariant``: the exact mode, row-tiled linears), ``eager`` /
   ``compiled`` (``enforce_eager`` True / False), ``onednn`` / ``no-onednn``
   (``onednn_linears``), ``model-linears`` / ``wide-linears`` (``linear_compute_dtype``
   "model" / "float32"), ``step-auto`` / ``step-off`` / ``step-N`` (``max_step_ms`` "auto",
@@ -67,6 +68,7 @@ DEFAULT_VLLM_PYTHON = "/work/vllm-venv/bin/python"
 TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 #: kvpage mode atoms: ``LLM`` keywords and the matching ``kvpage serve`` flags.
 MODE_ATOMS = {"exact": ({"exact": True}, ["--exact"]),
+              "batch-invariant": ({"batch_invariant": True}, ["--batch-invariant"]),
               "eager": ({"enforce_eager": True}, ["--enforce-eager"]),
               "compiled": ({"enforce_eager": False}, ["--no-enforce-eager"]),
               "onednn": ({"onednn_linears": True}, ["--onednn-linears"]),

@@ -240,18 +240,22 @@ def _prompt_outputs(name, choice, splits, dtype, opts, neighbour: bool):
     return torch.cat(outs)
 
 
+SCHEDULE_CHOICES = {"torch": TORCH, "native": CPUKernelChoice(),
+                    "native, schedule-invariant": CPUKernelChoice(schedule_invariant=True)}
+
+
 def _schedule_choices():
     for name in FORMATS:
-        for path in ("torch", "native"):
+        for path in SCHEDULE_CHOICES:
             yield name, path
 
 
 def _check_schedules(name, path, schedules):
     """Each schedule (step ends, whether a neighbour decodes beside) gives the whole
     prompt's bits, for every option in fp32, and in bf16 (whose rounding hides more)."""
-    if path == "native" and not native_takes(name):
+    if path != "torch" and not native_takes(name):
         pytest.skip(f"the native kernels do not read {name} here")
-    choice = TORCH if path == "torch" else CPUKernelChoice()
+    choice = SCHEDULE_CHOICES[path]
     for dtype, options in ((torch.float32, OPTIONS), (torch.bfloat16, ("plain", "sinks"))):
         for option in options:
             opts = dict(OPTIONS[option])
@@ -272,10 +276,12 @@ def test_prompt_attention_does_not_depend_on_the_schedule(name, path):
 
 @pytest.mark.parametrize("name,path", [pytest.param(name, path, marks=pytest.mark.xfail(
     path == "native", strict=True, reason="the native decode kernel sums a row in another order than the "
-    "native prefill kernel (fp32 bits differ)")) for name, path in _schedule_choices()])
+    "native prefill kernel (fp32 bits differ); schedule_invariant routes decode rows to the prefill kernel"))
+    for name, path in _schedule_choices()])
 def test_a_one_token_chunk_gives_the_prefill_row(name, path):
-    """A one-token chunk runs as a decode row (the fused write-and-decode natively): its
-    output must be the bits the row gets inside a longer prefill."""
+    """A one-token chunk runs as a decode row (the fused write-and-decode natively; under
+    ``schedule_invariant`` the prefill kernel): its output must be the bits the row gets
+    inside a longer prefill."""
     _check_schedules(name, path, [([5, 6, 30, 45], False), ([44, 45], False)])
 
 

@@ -70,14 +70,15 @@ class CPUKernels:
     ``decode_backend``/``prefill_backend`` name the chosen backends (:func:`choose_kernels`).
     """
 
-    __slots__ = ("layout", "decode_backend", "prefill_backend", "_step", "_variant", "_store", "_fused",
-                 "_fused_rows")
+    __slots__ = ("layout", "decode_backend", "prefill_backend", "_schedule_invariant", "_step", "_variant", "_store",
+                 "_fused", "_fused_rows")
 
     def __init__(self, layout: AttentionLayout, choice: CPUKernelChoice = CPUKernelChoice()) -> None:
         lib = _native_library() if layout.cache.tensors else None  # numpy inputs never take it
         self.layout = layout
         self.decode_backend, self.prefill_backend = choose_kernels(layout, choice, lib is not None,
                                                                    _numba_available())
+        self._schedule_invariant = choice.schedule_invariant
         self._store = choose_store(layout.cache)
         self._fused = self._fused_rows = None
         if not layout.cache.tensors:
@@ -102,6 +103,10 @@ class CPUKernels:
         numba = kernels.NumbaKernels(dtype) if "numba" in (decode, prefill) else None
         torch_step, torch_decode, torch_prefill = kernels.torch_phases(fmt)
         self._variant = torch_step
+        if self._schedule_invariant:  # every row through the prefill phase (decode == prefill here)
+            phases = {"native": native, "numba": numba}
+            self._step = kernels.PromptRowsStep(torch_prefill if prefill == "torch" else phases[prefill].prefill)
+            return
         if decode == prefill == "torch":
             self._step = torch_step
         elif decode == prefill == "numba":

@@ -278,6 +278,22 @@ def torch_store(key_cache, value_cache, k, v, slot_mapping) -> None:
     torch_cpu.write_kv_torch(key_cache, value_cache, k, v, slot_mapping)
 
 
+class PromptRowsStep:
+    """A step whose every row, decode rows included, one prefill phase computes: a row then
+    has the bits it gets inside a prompt, however the step was scheduled
+    (``CPUKernelChoice.schedule_invariant``)."""
+
+    __slots__ = ("prefill",)
+
+    def __init__(self, prefill: Phase) -> None:
+        self.prefill = prefill
+
+    def __call__(self, q, key_cache, value_cache, md: CPUAttentionMetadata, call: LayerCall) -> torch.Tensor:
+        result = q.new_empty(q.shape)
+        self.prefill(result, q, key_cache, value_cache, md.as_prompt_rows(), call)
+        return result
+
+
 class PhasedStep:
     """A step whose decode and prefill rows take different kernels, into one result."""
 

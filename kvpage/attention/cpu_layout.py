@@ -34,6 +34,10 @@ class CPUKernelChoice:
 
     decode_backend: str = "native"
     prefill_backend: str = "native"
+    #: Decode rows take the prefill phase's kernel too, so that a row has the bits it gets
+    #: inside a prompt however the step was scheduled (the native decode kernel sums in
+    #: another order than the prefill kernel). ``EngineConfig.batch_invariant`` sets it.
+    schedule_invariant: bool = False
 
     def __post_init__(self) -> None:
         for backend in (self.decode_backend, self.prefill_backend):
@@ -142,15 +146,17 @@ def choose_kernels(layout: AttentionLayout, choice: CPUKernelChoice, native: boo
     (prefill), as does a numba phase over caches the kernels cannot read; a numba prefill
     makes a native decode numba too (one numba call serves both). Quantized caches never
     take numba: a phase is native where asked and the native kernels take the format, else
-    torch (numpy inputs: the reference).
+    torch (numpy inputs: the reference). Under ``schedule_invariant`` decode names the
+    prefill's backend, whose prefill phase then computes every row of a step.
     """
     cache = layout.cache
     if cache.cache_format is not None:
         if not cache.tensors:
             return "reference", "reference"
         fits = native and layout.native_fits()
-        return tuple("native" if asked == "native" and fits else "torch"
-                     for asked in (choice.decode_backend, choice.prefill_backend))
+        decode, prefill = ("native" if asked == "native" and fits else "torch"
+                           for asked in (choice.decode_backend, choice.prefill_backend))
+        return (prefill, prefill) if choice.schedule_invariant else (decode, prefill)
     decode, prefill = choice.decode_backend, choice.prefill_backend
     if not numba or cache.kv_differ:
         decode = prefill = "torch"
@@ -166,4 +172,4 @@ def choose_kernels(layout: AttentionLayout, choice: CPUKernelChoice, native: boo
     if not cache.kernel_readable:
         decode = "torch" if decode == "numba" else decode
         prefill = "torch" if prefill == "numba" else prefill
-    return decode, prefill
+    return (prefill, prefill) if choice.schedule_invariant else (decode, prefill)

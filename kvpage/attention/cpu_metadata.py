@@ -126,9 +126,18 @@ class CPUAttentionMetadata:
     _torch: dict = field(default_factory=dict, init=False, repr=False)
     _native: dict = field(default_factory=dict, init=False, repr=False)
     _slots_address: Optional[int] = field(default=None, init=False, repr=False)
+    _as_prompts: Optional["CPUAttentionMetadata"] = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.decode_only = self.num_decodes == self.seq_lens.shape[0]
+
+    def as_prompt_rows(self) -> "CPUAttentionMetadata":
+        """This step with every sequence, decodes included, as a prompt of its query rows
+        (``num_decodes`` 0), so that a prefill phase computes them all; made once per step."""
+        if self._as_prompts is None:
+            self._as_prompts = CPUAttentionMetadata(self.query_start_loc, self.seq_lens, self.block_tables, 0,
+                                                    self.slot_mapping)
+        return self._as_prompts
 
     @property
     def work(self) -> np.ndarray:

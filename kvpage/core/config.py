@@ -191,6 +191,14 @@ class EngineConfig:
             op with torch's own linears (``enforce_eager=True, onednn_linears=False``). Off by
             default, as in vLLM: the default is the fast mode below. Contradicting it with
             ``enforce_eager=False`` or ``onednn_linears=True`` is a ``ValueError``.
+        batch_invariant: every request's output, bit for bit (log-probabilities included),
+            the same whatever else shares its steps and however it was scheduled: alone or
+            batched, whole or in chunks, from a prefix hit or recomputed after preemption.
+            The exact mode (implied) does not promise that: torch's matmuls pick their
+            kernels by the batch's row count. This mode runs each ``nn.Linear`` on tiles of
+            a fixed row count and every attention row through the prompt kernel
+            (``docs/serving.md``). CPU only, slower than the exact mode; sampling without a
+            seed still draws from one shared stream.
         enforce_eager: run the model op by op (no graph compilation, no CUDA graphs; vLLM's
             flag). ``None`` (default): compiled on CPU (``torch.compile``, cached on disk, so
             a second start compiles nothing); on GPU the forward runs eagerly and decode
@@ -236,6 +244,7 @@ class EngineConfig:
     device: str = "auto"
     attention_backend: str = "auto"
     exact: bool = False
+    batch_invariant: bool = False
     enforce_eager: Optional[bool] = None
     onednn_linears: Optional[bool] = None
     linear_compute_dtype: str = "auto"
@@ -268,27 +277,29 @@ class EngineConfig:
                              f"got {self.kv_cache_dtype!r}")
 
     def _check_mode(self) -> None:
-        for name in ("exact", "enforce_eager", "onednn_linears"):
+        for name in ("exact", "batch_invariant", "enforce_eager", "onednn_linears"):
             value = getattr(self, name)
-            if not (isinstance(value, bool) or (value is None and name != "exact")):
+            if not (isinstance(value, bool) or (value is None and name not in ("exact", "batch_invariant"))):
                 raise ValueError(f"{name} must be True or False, got {value!r}")
         if self.linear_compute_dtype not in LINEAR_COMPUTE_DTYPES:
             raise ValueError(f"linear_compute_dtype must be one of {', '.join(LINEAR_COMPUTE_DTYPES)}; "
                              f"got {self.linear_compute_dtype!r}")
         widened = self.linear_compute_dtype == "float32"
-        if self.exact and (self.enforce_eager is False or self.onednn_linears or widened):
-            raise ValueError("exact=True runs the model eagerly with torch's linears: it contradicts "
-                             "enforce_eager=False, onednn_linears=True and linear_compute_dtype='float32'")
+        for name in ("exact", "batch_invariant"):
+            if getattr(self, name) and (self.enforce_eager is False or self.onednn_linears or widened):
+                raise ValueError(f"{name}=True runs the model eagerly with torch's linears: it contradicts "
+                                 "enforce_eager=False, onednn_linears=True and linear_compute_dtype='float32'")
         if widened and self.onednn_linears is False:
             raise ValueError("linear_compute_dtype='float32' widens the oneDNN linears: it contradicts "
                              "onednn_linears=False")
 
     @property
     def exact_mode(self) -> bool:
-        """Whether settings left unset take the exact mode's values: ``exact``, or the
-        environment's ``KVPAGE_EXACT`` (``1``; the test suite sets it, so that each test
-        compiles only when it asks to)."""
-        return self.exact or os.environ.get("KVPAGE_EXACT", "0").lower() in ("1", "true", "yes")
+        """Whether settings left unset take the exact mode's values: ``exact`` or
+        ``batch_invariant``, or the environment's ``KVPAGE_EXACT`` (``1``; the test suite sets
+        it, so that each test compiles only when it asks to)."""
+        return (self.exact or self.batch_invariant
+                or os.environ.get("KVPAGE_EXACT", "0").lower() in ("1", "true", "yes"))
 
     def compiles(self, device_type: str) -> bool:
         """Whether the forward is compiled on a ``device_type`` ("cpu", "cuda") device."""

@@ -247,7 +247,8 @@ def build_hf_engine(model: torch.nn.Module, tokenizer: Any, config: EngineConfig
     collaborator the config asks for (KV tiers, KV event publisher, thread governor). If
     that fails (a ``ValueError`` naming the reason), the model keeps its own attention."""
     num_threads = configure_threads(config.num_threads)
-    runner = HFModelRunner(model, onednn_linears=config.uses_onednn, linear_compute_dtype=config.linear_compute_dtype)
+    runner = HFModelRunner(model, onednn_linears=config.uses_onednn, linear_compute_dtype=config.linear_compute_dtype,
+                           row_tiled_linears=config.batch_invariant)
     if runner.device.type == "cpu":
         keep_freed_memory()
     if runner.linear_compute is not None:
@@ -256,7 +257,9 @@ def build_hf_engine(model: torch.nn.Module, tokenizer: Any, config: EngineConfig
     # Dynamo guards a compiled graph on its thread count (see thread_governor):
     # the governor of a compiled engine moves between this count and one thread fewer, and
     # both get their compiled entry at start-up.
-    governed = runner.device.type == "cpu" and governor_wanted(config.num_threads, num_threads)
+    # A batch-invariant engine keeps one thread count: a matmul's kernel may follow it.
+    governed = (runner.device.type == "cpu" and not config.batch_invariant
+                and governor_wanted(config.num_threads, num_threads))
     fallback_threads = (num_threads - 1,) if governed else ()
     try:
         max_model_len = resolve_max_model_len(model, config)
@@ -283,8 +286,9 @@ def _engine_threads(runner: HFModelRunner, config: EngineConfig, num_threads: in
     if runner.device.type != "cpu":
         return {}
     counts = None if runner.compiled is None else (num_threads, *fallback_threads)
-    return {"compute_threads": num_threads,
-            "thread_governor": governor_for(config.num_threads, num_threads, set_compute_threads, counts)}
+    governor = None if config.batch_invariant else governor_for(config.num_threads, num_threads,
+                                                                  set_compute_threads, counts)
+    return {"compute_threads": num_threads, "thread_governor": governor}
 
 
 def _kv_event_publisher(config: EngineConfig, scheduler: Scheduler) -> Optional[KVEventPublisher]:
@@ -351,7 +355,8 @@ def _bind_kv_cache(runner: HFModelRunner, config: EngineConfig, max_model_len: i
         state_bytes = runner.allocate_state_slots(num_state_slots)
         log.info("recurrent state: %d slots, %.1f MiB", num_state_slots, state_bytes / 2**20)
     spec = kv_cache_spec(runner, config)
-    backend = select_backend(config.attention_backend, runner.device, spec.cache_format)
+    backend = select_backend(config.attention_backend, runner.device, spec.cache_format,
+                             batch_invariant=config.batch_invariant)
     check_backend_fits(spec, backend.name)
     if backend.name == "cuda" and runner.uses_alibi:
         raise UnsupportedModelError("this model's attention adds ALiBi position biases, which the CUDA kernels do "

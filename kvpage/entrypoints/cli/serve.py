@@ -114,6 +114,11 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--exact", action=bool_flag, default=False,
                    help="greedy output identical to HF generate: eager, torch's linears (default: the fast "
                    "mode, compiled with oneDNN linears on CPU); takes an optional value")
+    p.add_argument("--batch-invariant", action=bool_flag, default=False,
+                   help="every request's output bit for bit the same whatever shares its steps and however it "
+                   "was scheduled (chunks, prefix hits, preemption): the exact mode, with linears in fixed row "
+                   "tiles and every attention row through the prompt kernel; CPU only, slower; takes an "
+                   "optional value")
     p.add_argument("--enforce-eager", action=bool_flag, default=None,
                    help="run the model op by op, without graph compilation or CUDA graphs (default: "
                    "compiled on CPU, cached on disk; on GPU eager ops with decode steps replayed from CUDA "

@@ -1,0 +1,99 @@
+"""``EngineConfig.batch_invariant``: a request's output bits do not depend on the schedule.
+
+The exact mode gives HF's float32 arithmetic op for op, but torch's matmuls pick their
+kernel by the row count of the call, so a request's logits follow what else shares its
+steps (and a quantized KV code can then move by a whole step). Batch-invariant mode runs
+linears on tiles of a fixed row count (``adapters/row_tiled_linear.py``) and every
+attention row through the prompt kernel. Here a request alone, with nothing beside it and
+its prompt whole, must get the very bits (tokens and log-probabilities) it gets in a
+crowded engine: chunked prompts, neighbours, prefix hits and preemption, for the model's
+own KV cache and for the quantized formats.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from kvpage import LLM, EngineConfig, SamplingParams
+from kvpage.adapters.row_tiled_linear import TILE_ROWS, RowTiledLinear
+from tiny_models import VOCAB, tiny_model
+
+FORMATS = ("auto", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2)
+SEEDED = SamplingParams(max_tokens=8, temperature=0.9, seed=11, ignore_eos=True, logprobs=2)
+BASE = dict(block_size=4, max_model_len=96, dtype="float32", batch_invariant=True)
+
+
+def _prompts() -> list[list[int]]:
+    """Six prompts, every other one behind a shared 12-token prefix (three blocks)."""
+    g = torch.Generator().manual_seed(1)
+    shared = torch.randint(3, VOCAB, (12,), generator=g).tolist()
+    return [(shared if i % 2 else []) + torch.randint(3, VOCAB, (n,), generator=g).tolist()
+            for i, n in enumerate((23, 30, 17, 26, 35, 21))]
+
+
+@contextlib.contextmanager
+def engine(model, **options):
+    llm = LLM(model, **{**BASE, **options})
+    try:
+        yield llm
+        llm.check_integrity()
+    finally:
+        llm.close()
+        llm.restore()
+
+
+def _bits(outs) -> list:
+    return [[(list(s.token_ids), s.logprobs) for s in out.outputs] for out in outs]
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_model("llama")
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_a_request_alone_and_in_a_crowd_gets_the_same_bits(llama, name):
+    prompts = _prompts()
+    with engine(llama, kv_cache_dtype=name, num_kv_blocks=128, max_num_batched_tokens=128,
+                enable_prefix_caching=False) as llm:
+        alone = {label: [_bits(llm.generate([p], params, use_tqdm=False))[0] for p in prompts]
+                 for label, params in (("greedy", GREEDY), ("seeded", SEEDED))}
+    with engine(llama, kv_cache_dtype=name, num_kv_blocks=24, max_num_batched_tokens=7) as llm:
+        for label, params in (("greedy", GREEDY), ("seeded", SEEDED)):
+            crowd = _bits(llm.generate(prompts, params, use_tqdm=False))
+            assert crowd == alone[label], label
+        stats = llm.stats()
+        assert stats["num_preemptions"] > 0, "the pool should be too small for the batch"
+        assert stats["prefix_cache_hits"] > 0, "the second round should hit the prefix cache"
+
+
+def test_row_tiled_linear_rows_depend_on_themselves_alone():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(96, 200)
+    tiled = RowTiledLinear(linear)
+    x = torch.randn(3 * TILE_ROWS + 5, 96)
+    whole = tiled(x)
+    torch.testing.assert_close(whole, linear(x))
+    for rows in (1, 2, 7, TILE_ROWS, TILE_ROWS + 1):
+        for start in (0, 3, 40):
+            assert torch.equal(tiled(x[start:start + rows]), whole[start:start + rows]), (rows, start)
+    assert torch.equal(tiled(x.view(1, -1, 96))[0], whole)  # any leading shape
+
+
+def test_settings_it_contradicts_are_value_errors():
+    for clash in (dict(enforce_eager=False), dict(onednn_linears=True), dict(linear_compute_dtype="float32")):
+        with pytest.raises(ValueError, match="batch_invariant=True runs the model eagerly"):
+            EngineConfig(batch_invariant=True, **clash)
+    with pytest.raises(ValueError, match="batch_invariant must be True or False"):
+        EngineConfig(batch_invariant="yes")
+    assert EngineConfig(batch_invariant=True).exact_mode
+
+
+def test_a_backend_without_the_mode_is_refused():
+    from kvpage.adapters.attention_backends import select_backend
+
+    with pytest.raises(ValueError, match="no batch-invariant mode"):
+        select_backend("reference", torch.device("cpu"), batch_invariant=True)
