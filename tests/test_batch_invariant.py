@@ -7,7 +7,7 @@ linears on tiles of a fixed row count (``adapters/row_tiled_linear.py``) and eve
 attention row through the prompt kernel. Here a request alone, with nothing beside it and
 its prompt whole, must get the very bits (tokens and log-probabilities) it gets in a
 crowded engine: chunked prompts, neighbours, prefix hits and preemption, for the model's
-own KV cache and for the quantized formats.
+own KV cache and for the quantized formats, in float32 and in bf16.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from tiny_models import VOCAB, tiny_model
 FORMATS = ("auto", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2)
 SEEDED = SamplingParams(max_tokens=8, temperature=0.9, seed=11, ignore_eos=True, logprobs=2)
-BASE = dict(block_size=4, max_model_len=96, dtype="float32", batch_invariant=True)
+BASE = dict(block_size=4, max_model_len=96, batch_invariant=True)
 
 
 def _prompts() -> list[list[int]]:
@@ -54,14 +54,15 @@ def llama():
     return tiny_model("llama")
 
 
-@pytest.mark.parametrize("name", FORMATS)
-def test_a_request_alone_and_in_a_crowd_gets_the_same_bits(llama, name):
+@pytest.mark.parametrize("name, dtype", [(name, "float32") for name in FORMATS] + [("auto", "bfloat16"),
+                                                                                   ("int8", "bfloat16")])
+def test_a_request_alone_and_in_a_crowd_gets_the_same_bits(llama, name, dtype):
     prompts = _prompts()
-    with engine(llama, kv_cache_dtype=name, num_kv_blocks=128, max_num_batched_tokens=128,
+    with engine(llama, kv_cache_dtype=name, dtype=dtype, num_kv_blocks=128, max_num_batched_tokens=128,
                 enable_prefix_caching=False) as llm:
         alone = {label: [_bits(llm.generate([p], params, use_tqdm=False))[0] for p in prompts]
                  for label, params in (("greedy", GREEDY), ("seeded", SEEDED))}
-    with engine(llama, kv_cache_dtype=name, num_kv_blocks=24, max_num_batched_tokens=7) as llm:
+    with engine(llama, kv_cache_dtype=name, dtype=dtype, num_kv_blocks=24, max_num_batched_tokens=7) as llm:
         for label, params in (("greedy", GREEDY), ("seeded", SEEDED)):
             crowd = _bits(llm.generate(prompts, params, use_tqdm=False))
             assert crowd == alone[label], label
