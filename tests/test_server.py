@@ -94,6 +94,16 @@ def test_logit_bias_bans_and_forces_tokens(client, offline):
         assert biased.token_ids[0] != first if bias == {first: -100} else set(biased.token_ids) == {forced}
 
 
+def test_chat_prompt_logprobs_score_the_templated_prompt(server):
+    body = {"messages": [{"role": "user", "content": "hi there"}], "max_tokens": 2, "temperature": 0,
+            "prompt_logprobs": 1}
+    response = httpx.post(server + "/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    usage, scored = response.json()["usage"], response.json()["prompt_logprobs"]
+    assert len(scored) == usage["prompt_tokens"] and scored[0] is None  # vLLM's shape: nothing before token 0
+    assert all(isinstance(entry, dict) and entry for entry in scored[1:])
+
+
 def test_chat_completion_uses_the_chat_template(client, offline):
     out = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
                                          max_tokens=6, temperature=0)
@@ -226,6 +236,9 @@ BAD_BODIES = [
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"100000": 5}}, "outside the vocabulary"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
      "needs logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "needs content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 1,
+                              "stream": True}, "stream=false"),
     ("/v1/completions", {"prompt": [1, 2, 100000]}, "vocabulary"),
     ("/v1/completions", {"prompt": ""}, "empty"),
     ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, "does not exist"),

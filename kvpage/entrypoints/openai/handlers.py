@@ -261,7 +261,8 @@ async def chat_completions(ctx: ServingContext, req: ChatCompletionRequest):
 
     def params(prompt_len: int):
         return req.to_sampling_params(_max_tokens(ctx, requested, prompt_len) if requested else
-                                      max(1, min(ctx.max_model_len - prompt_len, ctx.max_tokens_cap)), logprobs)
+                                      max(1, min(ctx.max_model_len - prompt_len, ctx.max_tokens_cap)), logprobs,
+                                      req.prompt_logprobs)
 
     queued = await _submit_all(ctx, [ids], params, ctx.timeout_s(req.timeout))
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -276,8 +277,12 @@ async def chat_completions(ctx: ServingContext, req: ChatCompletionRequest):
     choices = [{"index": s.index, "message": {"role": "assistant", "content": s.text},
                 "logprobs": _chat_logprobs(ctx.tokenizer, s.token_ids, s.logprobs, top),
                 "finish_reason": s.finish_reason} for s in final.outputs]
-    return {"id": rid, "object": "chat.completion", "created": created, "model": ctx.model_name,
-            "choices": choices, "usage": _usage([ids], [final])}
+    response = {"id": rid, "object": "chat.completion", "created": created, "model": ctx.model_name,
+                "choices": choices, "usage": _usage([ids], [final])}
+    if req.prompt_logprobs is not None:
+        response["prompt_logprobs"] = fmt.vllm_prompt_logprobs(ctx.tokenizer, final.prompt_logprobs,
+                                                               req.prompt_logprobs)
+    return response
 
 
 async def _stream_chat(ctx, req, rid, created, ids, stream, top) -> AsyncIterator[str]:

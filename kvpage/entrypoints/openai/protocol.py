@@ -120,6 +120,12 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Union[str, list[dict], None] = None
 
+    @model_validator(mode="after")
+    def _content_where_needed(self):
+        if self.content is None and self.role in ("system", "user", "developer"):
+            raise _param_error(f"a {self.role} message needs content", "messages")
+        return self
+
     def text(self) -> str:
         if self.content is None:
             return ""
@@ -138,11 +144,16 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+    #: vLLM's: the prompt tokens' log-probabilities (of the templated prompt), at the top
+    #: level of the response.
+    prompt_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
 
     @model_validator(mode="after")
-    def _top_logprobs_need_logprobs(self):
+    def _logprob_fields_fit(self):
         if self.top_logprobs and not self.logprobs:
             raise _param_error("top_logprobs needs logprobs=true", "top_logprobs")
+        if self.stream and self.prompt_logprobs is not None:
+            raise _param_error("prompt_logprobs needs stream=false", "stream")
         return self
 
 
