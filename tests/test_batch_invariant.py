@@ -54,21 +54,37 @@ def llama():
     return tiny_model("llama")
 
 
-@pytest.mark.parametrize("name, dtype", [(name, "float32") for name in FORMATS] + [("auto", "bfloat16"),
-                                                                                   ("int8", "bfloat16")])
-def test_a_request_alone_and_in_a_crowd_gets_the_same_bits(llama, name, dtype):
+def _alone_and_in_a_crowd(model, crowd_blocks: int = 24, **options) -> dict:
+    """Each prompt alone (one request, its prompt whole), then all together in a crowded
+    engine (7-token steps, a small pool, prefix caching); asserts equal bits, greedy and
+    seeded; returns the crowded engine's stats."""
     prompts = _prompts()
-    with engine(llama, kv_cache_dtype=name, dtype=dtype, num_kv_blocks=128, max_num_batched_tokens=128,
-                enable_prefix_caching=False) as llm:
+    with engine(model, num_kv_blocks=128, max_num_batched_tokens=128, enable_prefix_caching=False,
+                **options) as llm:
         alone = {label: [_bits(llm.generate([p], params, use_tqdm=False))[0] for p in prompts]
                  for label, params in (("greedy", GREEDY), ("seeded", SEEDED))}
-    with engine(llama, kv_cache_dtype=name, dtype=dtype, num_kv_blocks=24, max_num_batched_tokens=7) as llm:
+    with engine(model, num_kv_blocks=crowd_blocks, max_num_batched_tokens=7, **options) as llm:
         for label, params in (("greedy", GREEDY), ("seeded", SEEDED)):
             crowd = _bits(llm.generate(prompts, params, use_tqdm=False))
             assert crowd == alone[label], label
-        stats = llm.stats()
-        assert stats["num_preemptions"] > 0, "the pool should be too small for the batch"
-        assert stats["prefix_cache_hits"] > 0, "the second round should hit the prefix cache"
+        return llm.stats()
+
+
+@pytest.mark.parametrize("name, dtype", [(name, "float32") for name in FORMATS] + [("auto", "bfloat16"),
+                                                                                   ("int8", "bfloat16")])
+def test_a_request_alone_and_in_a_crowd_gets_the_same_bits(llama, name, dtype):
+    stats = _alone_and_in_a_crowd(llama, kv_cache_dtype=name, dtype=dtype)
+    assert stats["num_preemptions"] > 0, "the pool should be too small for the batch"
+    assert stats["prefix_cache_hits"] > 0, "the second round should hit the prefix cache"
+
+
+@pytest.mark.parametrize("family, name, blocks", [("gemma2", "auto", 30), ("gemma3", "int8", 35),
+                                                  ("mistral", "fp8_e4m3", 24), ("qwen3", "int4", 24)])
+def test_sliding_windows_softcaps_and_other_heads_too(family, name, blocks):
+    """Sliding windows (hybrid groups), logit softcaps and head sizes of 16; ``blocks``: a
+    pool just large enough for one request of ``max_model_len``."""
+    stats = _alone_and_in_a_crowd(tiny_model(family), crowd_blocks=blocks, kv_cache_dtype=name, dtype="float32")
+    assert stats["num_preemptions"] > 0, "the pool should be too small for the batch"
 
 
 def test_row_tiled_linear_rows_depend_on_themselves_alone():

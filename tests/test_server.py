@@ -129,6 +129,16 @@ def test_streaming_completion_and_chat_concatenate(client):
     assert chunks[-1].usage.completion_tokens == 7
 
 
+def test_streamed_logprobs_offsets_run_on_across_chunks(client):
+    """``text_offset`` counts from the start of the choice's text in every chunk, as in the
+    whole (non-streamed) answer."""
+    kwargs = dict(model="tiny", prompt="offsets", max_tokens=10, temperature=0, logprobs=1)
+    whole = client.completions.create(**kwargs).choices[0].logprobs
+    offsets = [o for c in client.completions.create(stream=True, **kwargs) if c.choices and c.choices[0].logprobs
+               for o in c.choices[0].logprobs.text_offset]
+    assert offsets == whole.text_offset and len(offsets) == 10
+
+
 def test_n_samples_and_seeded_sampling(client):
     kwargs = dict(model="tiny", prompt="seeded", max_tokens=8, temperature=1.0, seed=7, n=3)
     first, second = client.completions.create(**kwargs), client.completions.create(**kwargs)

@@ -189,10 +189,12 @@ async def _stream_completions(ctx, req, rid, created, prompts, prompt_ids, strea
     base = {"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name}
     finals: list[RequestOutput] = []
     ended: set[tuple[int, int]] = set()  # (prompt, sample) whose finish_reason was sent
+    offsets: dict[int, int] = {}  # choice index -> where its next token starts in its text
     if req.echo:
         for p, prompt in enumerate(prompts):
             text = prompt if isinstance(prompt, str) else ctx.tokenizer.decode(prompt_ids[p])
             for k in range(req.n):
+                offsets[p * req.n + k] = len(text)
                 yield _sse({**base, "choices": [{"index": p * req.n + k, "text": text, "logprobs": None,
                                                  "finish_reason": None}]})
     try:
@@ -207,10 +209,13 @@ async def _stream_completions(ctx, req, rid, created, prompts, prompt_ids, strea
                 continue
             if item.finish_reason is not None:
                 ended.add((position, item.index))
-            logprobs = (fmt.completion_logprobs(fmt.generated_parts(ctx.tokenizer, item.token_ids, item.logprobs))
-                        if req.logprobs is not None else None)
-            choice = {"index": position * req.n + item.index, "text": item.text, "logprobs": logprobs,
-                      "finish_reason": item.finish_reason}
+            index = position * req.n + item.index
+            logprobs = None
+            if req.logprobs is not None:
+                logprobs = fmt.completion_logprobs(fmt.generated_parts(ctx.tokenizer, item.token_ids, item.logprobs),
+                                                   start=offsets.get(index, 0))
+                offsets[index] = offsets.get(index, 0) + sum(len(token) for token in logprobs["tokens"])
+            choice = {"index": index, "text": item.text, "logprobs": logprobs, "finish_reason": item.finish_reason}
             yield _sse({**base, "choices": [choice]})
         if req.include_usage:
             yield _sse({**base, "choices": [], "usage": _usage(prompt_ids, finals)})

@@ -40,8 +40,9 @@ def generated_parts(tokenizer: Any, token_ids: Sequence[int], logprobs: Optional
             [{tokenizer.decode([k]): v for k, v in lp.items()} for lp in entries])
 
 
-def completion_logprobs(*parts: _Parts) -> dict:
-    """OpenAI's completions ``logprobs`` object from consecutive parts (prompt, then output)."""
+def completion_logprobs(*parts: _Parts, start: int = 0) -> dict:
+    """OpenAI's completions ``logprobs`` object from consecutive parts (prompt, then output);
+    ``text_offset`` counts from ``start`` (a stream's chunk: the text sent before it)."""
     tokens: list[str] = []
     token_logprobs: list[Optional[float]] = []
     top_logprobs: list[Optional[dict]] = []
@@ -49,7 +50,7 @@ def completion_logprobs(*parts: _Parts) -> dict:
         tokens += part_tokens
         token_logprobs += part_logprobs
         top_logprobs += part_tops
-    offsets, at = [], 0
+    offsets, at = [], start
     for token in tokens:
         offsets.append(at)
         at += len(token)
