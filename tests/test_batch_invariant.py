@@ -11,19 +11,17 @@ own KV cache and for the quantized formats, in float32 and in bf16.
 """
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
-from kvpage import LLM, EngineConfig, SamplingParams
+from kvpage import EngineConfig, SamplingParams
 from kvpage.adapters.row_tiled_linear import TILE_ROWS, RowTiledLinear
+from test_kv_cache_dtype_engine import engine  # LLM over its BASE settings, integrity checked, closed
 from tiny_models import VOCAB, tiny_model
 
 FORMATS = ("auto", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2)
 SEEDED = SamplingParams(max_tokens=8, temperature=0.9, seed=11, ignore_eos=True, logprobs=2)
-BASE = dict(block_size=4, max_model_len=96, batch_invariant=True)
 
 
 def _prompts() -> list[list[int]]:
@@ -32,17 +30,6 @@ def _prompts() -> list[list[int]]:
     shared = torch.randint(3, VOCAB, (12,), generator=g).tolist()
     return [(shared if i % 2 else []) + torch.randint(3, VOCAB, (n,), generator=g).tolist()
             for i, n in enumerate((23, 30, 17, 26, 35, 21))]
-
-
-@contextlib.contextmanager
-def engine(model, **options):
-    llm = LLM(model, **{**BASE, **options})
-    try:
-        yield llm
-        llm.check_integrity()
-    finally:
-        llm.close()
-        llm.restore()
 
 
 def _bits(outs) -> list:
@@ -54,16 +41,17 @@ def llama():
     return tiny_model("llama")
 
 
-def _alone_and_in_a_crowd(model, crowd_blocks: int = 24, **options) -> dict:
+def _alone_and_in_a_crowd(model, name: str, crowd_blocks: int = 24, **options) -> dict:
     """Each prompt alone (one request, its prompt whole), then all together in a crowded
     engine (7-token steps, a small pool, prefix caching); asserts equal bits, greedy and
     seeded; returns the crowded engine's stats."""
     prompts = _prompts()
-    with engine(model, num_kv_blocks=128, max_num_batched_tokens=128, enable_prefix_caching=False,
-                **options) as llm:
+    with engine(model, name, batch_invariant=True, num_kv_blocks=128, max_num_batched_tokens=128,
+                enable_prefix_caching=False, **options) as llm:
         alone = {label: [_bits(llm.generate([p], params, use_tqdm=False))[0] for p in prompts]
                  for label, params in (("greedy", GREEDY), ("seeded", SEEDED))}
-    with engine(model, num_kv_blocks=crowd_blocks, max_num_batched_tokens=7, **options) as llm:
+    with engine(model, name, batch_invariant=True, num_kv_blocks=crowd_blocks, max_num_batched_tokens=7,
+                **options) as llm:
         for label, params in (("greedy", GREEDY), ("seeded", SEEDED)):
             crowd = _bits(llm.generate(prompts, params, use_tqdm=False))
             assert crowd == alone[label], label
@@ -73,7 +61,7 @@ def _alone_and_in_a_crowd(model, crowd_blocks: int = 24, **options) -> dict:
 @pytest.mark.parametrize("name, dtype", [(name, "float32") for name in FORMATS] + [("auto", "bfloat16"),
                                                                                    ("int8", "bfloat16")])
 def test_a_request_alone_and_in_a_crowd_gets_the_same_bits(llama, name, dtype):
-    stats = _alone_and_in_a_crowd(llama, kv_cache_dtype=name, dtype=dtype)
+    stats = _alone_and_in_a_crowd(llama, name, dtype=dtype)
     assert stats["num_preemptions"] > 0, "the pool should be too small for the batch"
     assert stats["prefix_cache_hits"] > 0, "the second round should hit the prefix cache"
 
@@ -83,7 +71,7 @@ def test_a_request_alone_and_in_a_crowd_gets_the_same_bits(llama, name, dtype):
 def test_sliding_windows_softcaps_and_other_heads_too(family, name, blocks):
     """Sliding windows (hybrid groups), logit softcaps and head sizes of 16; ``blocks``: a
     pool just large enough for one request of ``max_model_len``."""
-    stats = _alone_and_in_a_crowd(tiny_model(family), crowd_blocks=blocks, kv_cache_dtype=name, dtype="float32")
+    stats = _alone_and_in_a_crowd(tiny_model(family), name, crowd_blocks=blocks)
     assert stats["num_preemptions"] > 0, "the pool should be too small for the batch"
 
 
