@@ -22,6 +22,17 @@ _FULL = "full_attention"
 _PLANNED_AS = {"hybrid": _FULL, "hybrid_sliding": _SLIDING, "chunked_attention": _FULL}
 
 
+def max_positions(config: Any) -> int:
+    """The positions a model's (text) config declares, under any of HF's names; 2048 when
+    it declares none."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(text, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 2048
+
+
 def layer_windows(config: Any) -> list:
     """Each attention layer's sliding window (``None``: full attention), as the HF modules
     read them; recurrent layers are left out."""

@@ -87,6 +87,10 @@ def test_bad_cli_input_is_a_clear_error(capsys):
         main(["--scenario", "nope"])
     assert exc.value.code == 2
     assert "unknown scenario 'nope'" in capsys.readouterr().err
+    for argv, message in ((["--kv-budget-mb", "0"], "--kv-budget-mb"), (["--block-size", "7"], "power of two")):
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        assert exc.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_multi_turn_scenario_with_the_tiered_cache(tmp_path):

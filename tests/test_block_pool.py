@@ -191,3 +191,15 @@ def test_free_stack_holds_every_block_once():
         pool.check_integrity()
         assert pool.num_free_blocks + pool.num_used_blocks == pool.num_blocks
         assert len(set(held)) == len(held)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: BlockPool("8", 16), "must be integers"),
+    (lambda: BlockPool(2.5, 16), "must be integers"),
+    (lambda: BlockPool(8, 16).allocate(1.5), "an integer >= 0"),
+    (lambda: BlockPool(8, 16).allocate("2"), "an integer >= 0"),
+    (lambda: BlockPool(8, 16).free(0), "a sequence of block ids"),
+])
+def test_arguments_of_the_wrong_type_are_value_errors(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()

@@ -72,6 +72,14 @@ def test_text_output_and_a_budget_too_small(gemma3_pattern, capsys):
     assert err.startswith("kvpage plan: ") and "cannot hold one request" in err and "needs" in err
 
 
+def test_plans_the_engine_would_refuse_are_errors(gemma3_pattern, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", str(gemma3_pattern), "--max-model-len", "1024", "--block-size", "7"])
+    assert exc.value.code == 2 and "a block size is a power of two" in capsys.readouterr().err
+    assert main(["plan", str(gemma3_pattern), "--max-model-len", "10000000", "--kv-cache-memory", "1GiB"]) == 1
+    assert "exceeds the model's" in capsys.readouterr().err
+
+
 def test_a_model_without_sliding_layers_is_not_hybrid(tmp_path, capsys):
     import transformers as tf
 

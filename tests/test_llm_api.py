@@ -126,14 +126,20 @@ def test_stats_keys(llm):
     ([[1, VOCAB + 5]], None, "vocabulary"),
     ([[-1, 3]], None, "vocabulary"),
     ("x" * 200, SamplingParams(max_tokens=1), "max_model_len"),
+    ([[True, 2]], None, "sequence of integer token ids"),  # a bool is an int to Python, not a token
+    ([b"hi"], None, "sequence of integer token ids"),
+    ([{"prompt": "hi", "prompt_token_ids": [1]}], None, "exactly one of"),
+    ({"text": "hi"}, None, "exactly one of"),
+    ([{"prompt": [1, 2]}], None, "'prompt' must be text"),
+    (["fine"], SamplingParams(logprobs=VOCAB + 1), "exceeds the vocabulary"),
 ])
 def test_bad_prompts_raise_and_lose_nothing(llm, prompt, params, match):
     with pytest.raises(ValueError, match=match):
-        llm.generate(prompt if isinstance(prompt, str) else prompt, params, use_tqdm=False)
+        llm.generate(prompt, params, use_tqdm=False)
     _assert_no_leak(llm)
     # A batch holding one bad prompt queues nothing, and later work still runs.
     with pytest.raises(ValueError):
-        llm.generate(["fine", prompt if isinstance(prompt, str) else prompt[0]], params, use_tqdm=False)
+        llm.generate(["fine", prompt if isinstance(prompt, (str, dict)) else prompt[0]], params, use_tqdm=False)
     _assert_no_leak(llm)
     assert len(llm.generate(["still fine"], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids) >= 1
 
@@ -146,6 +152,38 @@ def test_bad_prompts_raise_and_lose_nothing(llm, prompt, params, match):
 def test_bad_sampling_params_raise(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
+
+
+def test_vllms_prompt_dictionaries_are_prompts(llm):
+    greedy = SamplingParams(max_tokens=3, temperature=0)
+    plain = [o.outputs[0].token_ids for o in llm.generate(["abc", [5, 6, 7]], greedy, use_tqdm=False)]
+    wrapped = llm.generate([{"prompt": "abc"}, {"prompt_token_ids": [5, 6, 7]}], greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in wrapped] == plain and wrapped[0].prompt == "abc"
+    assert llm.generate({"prompt_token_ids": [5, 6, 7]}, greedy, use_tqdm=False)[0].outputs[0].token_ids == plain[1]
+    assert "".join(d.text for d in llm.stream({"prompt": "abc"}, greedy)) == wrapped[0].outputs[0].text
+
+
+@pytest.mark.parametrize("params", [{"max_tokens": 2}, "greedy", [{"max_tokens": 2}]])
+def test_sampling_params_of_the_wrong_type_raise(llm, params):
+    with pytest.raises(ValueError, match="SamplingParams"):
+        llm.generate(["abc"], params, use_tqdm=False)
+    _assert_no_leak(llm)
+
+
+def test_settings_of_the_wrong_type_raise():
+    from kvpage import EngineConfig
+
+    with pytest.raises(ValueError, match="config must be an EngineConfig"):
+        LLM(tiny_model("llama"), config={"block_size": 4})
+    with pytest.raises(ValueError, match="tokenizer must be"):
+        LLM(tiny_model("llama"), tokenizer=5)
+    for name in ("enable_prefix_caching", "enable_chunked_prefill", "disable_hybrid_kv_cache_manager"):
+        with pytest.raises(ValueError, match=f"{name} must be True or False"):
+            EngineConfig(**{name: "no"})
+    with pytest.raises(ValueError, match="ignore_eos must be True or False"):
+        SamplingParams(ignore_eos="no")
+    with pytest.raises(ValueError, match="contradicts onednn_linears=True$"):  # names only what clashes
+        EngineConfig(exact=True, onednn_linears=True)
 
 
 def test_unknown_model_path_raises():
@@ -162,6 +200,8 @@ def test_restore_gives_back_plain_generate():
     engine.restore()
     assert model.config._attn_implementation == "sdpa"
     assert hf_greedy(model, [3, 4, 5], 5) == before
+    with pytest.raises(ValueError, match="gave its model back"):  # not a quiet step error per request
+        engine.generate([[3, 4, 5]], SamplingParams(max_tokens=2), use_tqdm=False)
 
 
 def test_parallel_samples_fork_and_share_prompt_blocks(llm):

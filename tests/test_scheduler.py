@@ -391,3 +391,22 @@ def test_a_prefilling_request_with_parallel_samples_keeps_seats_for_them():
     for _ in range(2):  # (every sequence here stops at 4 tokens)
         out, _ = step(s)
         assert s.num_running == 4 and "b" not in scheduled(out)  # every seat taken while "a" runs
+
+
+@pytest.mark.parametrize("prompt, params, match", [
+    ("hello", None, "sequence of token ids"),
+    ([-5, 3], None, "non-negative"),
+    ([1.5, 2.7], None, "token ids are integers"),
+    ([True, 2], None, "token ids are integers"),
+    ([1, 2], {"max_tokens": 3}, "must be a SamplingParams"),
+])
+def test_a_bad_request_is_a_value_error_and_queues_nothing(prompt, params, match):
+    sched = Scheduler(CacheConfig(block_size=4, num_blocks=8), SchedulerConfig(max_model_len=32))
+    with pytest.raises(ValueError, match=match):
+        sched.make_request("r", prompt, params)
+    assert sched.num_waiting == 0
+
+
+def test_configs_of_the_wrong_type_are_value_errors():
+    with pytest.raises(ValueError, match="takes a CacheConfig and a SchedulerConfig"):
+        Scheduler({"block_size": 16}, SchedulerConfig())

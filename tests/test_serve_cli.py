@@ -142,6 +142,20 @@ def test_usage_errors_exit_2_with_serves_usage(capsys, argv, message):
     assert err.startswith("usage: kvpage serve") and message in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("argv, message", [(["--num-prompts", "0"], "--num-prompts: must be >= 1"),
+                                           (["--max-tokens", "-3"], "--max-tokens: must be >= 1")])
+def test_demo_usage_errors_exit_2_before_loading(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", *argv])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_demo_of_an_unknown_model_is_one_line_and_exit_1(capsys):
+    assert main(["demo", "--model", "/no/such/model", "--no-compare"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("kvpage demo: ") and "Traceback" not in err and err.count("\n") == 1
+
+
 def test_version(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--version"])

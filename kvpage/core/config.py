@@ -277,6 +277,9 @@ class EngineConfig:
                              f"got {self.kv_cache_dtype!r}")
 
     def _check_mode(self) -> None:
+        for name in ("enable_chunked_prefill", "enable_prefix_caching", "disable_hybrid_kv_cache_manager"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("exact", "batch_invariant", "enforce_eager", "onednn_linears"):
             value = getattr(self, name)
             if not (isinstance(value, bool) or (value is None and name not in ("exact", "batch_invariant"))):
@@ -285,10 +288,13 @@ class EngineConfig:
             raise ValueError(f"linear_compute_dtype must be one of {', '.join(LINEAR_COMPUTE_DTYPES)}; "
                              f"got {self.linear_compute_dtype!r}")
         widened = self.linear_compute_dtype == "float32"
+        clashes = [text for text, given in (("enforce_eager=False", self.enforce_eager is False),
+                                            ("onednn_linears=True", bool(self.onednn_linears)),
+                                            ("linear_compute_dtype='float32'", widened)) if given]
         for name in ("exact", "batch_invariant"):
-            if getattr(self, name) and (self.enforce_eager is False or self.onednn_linears or widened):
+            if getattr(self, name) and clashes:
                 raise ValueError(f"{name}=True runs the model eagerly with torch's linears: it contradicts "
-                                 "enforce_eager=False, onednn_linears=True and linear_compute_dtype='float32'")
+                                 f"{' and '.join(clashes)}")
         if widened and self.onednn_linears is False:
             raise ValueError("linear_compute_dtype='float32' widens the oneDNN linears: it contradicts "
                              "onednn_linears=False")

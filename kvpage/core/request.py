@@ -9,7 +9,9 @@ Token index regions of one request (``all_token_ids`` = prompt + output)::
 from __future__ import annotations
 
 import enum
+import operator
 import time
+from collections.abc import Sized
 from typing import Hashable, Optional, Sequence
 
 from kvpage.core.block_hash import BlockHash, chain_hashes, namespace_root
@@ -34,6 +36,19 @@ class FinishReason(str, enum.Enum):
 def sample_request_id(group_id: str, index: int, num_samples: int) -> str:
     """The scheduler id of sample ``index`` of user request ``group_id`` (``n`` samples)."""
     return group_id if num_samples == 1 else f"{group_id}#{index}"
+
+
+def _token_id(request_id: str, value: object) -> int:
+    """``value`` as a token id: a non-negative integer (numpy's too), never a float or bool."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        token = operator.index(value)
+    except TypeError:
+        raise ValueError(f"request {request_id!r}: token ids are integers, got {value!r}") from None
+    if token < 0:
+        raise ValueError(f"request {request_id!r}: token ids are non-negative, got {token}")
+    return token
 
 
 class Request:
@@ -65,8 +80,14 @@ class Request:
         group_id: Optional[str] = None,
         sample_index: int = 0,
     ) -> None:
+        if isinstance(prompt_token_ids, (str, bytes)) or not isinstance(prompt_token_ids, Sized):
+            raise ValueError(f"request {request_id!r}: prompt_token_ids must be a sequence of token ids, "
+                             f"got {type(prompt_token_ids).__name__}")
         if len(prompt_token_ids) == 0:
             raise ValueError(f"request {request_id!r}: the prompt is empty")
+        if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
+            raise ValueError(f"request {request_id!r}: sampling_params must be a SamplingParams, "
+                             f"got {type(sampling_params).__name__}")
         self.request_id = request_id
         self.sampling_params = sampling_params or SamplingParams()
         self.eos_token_id = eos_token_id
@@ -75,7 +96,7 @@ class Request:
         self.arrival_order = 0
         self.group_id = request_id if group_id is None else group_id
         self.sample_index = sample_index
-        self.all_token_ids: list[int] = [int(t) for t in prompt_token_ids]
+        self.all_token_ids: list[int] = [_token_id(request_id, t) for t in prompt_token_ids]
         self.num_prompt_tokens = len(self.all_token_ids)
         self.status = RequestStatus.WAITING
         # One block table per KV group (``kv_groups``); group 0's is ``block_ids``. In a

@@ -126,6 +126,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
         if not is_int(self.priority):
             raise ValueError(f"priority must be an integer, got {self.priority!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         for token, bias in (self.logit_bias or {}).items():
             if not is_int(token) or token < 0:
                 raise ValueError(f"logit_bias keys must be non-negative token ids, got {token!r}")

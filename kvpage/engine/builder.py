@@ -30,6 +30,7 @@ from kvpage.platform.threads import configure_threads, set_compute_threads
 from kvpage.storage.tiers import open_kv_tiers
 
 from kvpage.adapters.attention_backends import select_backend
+from kvpage.adapters.config_spec import max_positions
 from kvpage.adapters.families import exact_length_limit
 from kvpage.adapters.hf_runner import HFModelRunner, UnsupportedModelError
 
@@ -97,6 +98,8 @@ def load_model(model: Any, tokenizer: Any, config: EngineConfig) -> tuple[Any, A
 
     from kvpage.platform.model_registry import resolve_model_path
 
+    if tokenizer is not None and not isinstance(tokenizer, (str, Path)) and not hasattr(tokenizer, "encode"):
+        raise ValueError(f"tokenizer must be a tokenizer, a path or None, got {type(tokenizer).__name__}")
     if isinstance(model, PreTrainedModel):
         if isinstance(tokenizer, (str, Path)):
             tokenizer = AutoTokenizer.from_pretrained(str(tokenizer))
@@ -113,12 +116,7 @@ def load_model(model: Any, tokenizer: Any, config: EngineConfig) -> tuple[Any, A
 
 
 def model_max_len(model: torch.nn.Module) -> int:
-    config = model.config.get_text_config()
-    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return 2048
+    return max_positions(model.config)
 
 
 def eos_token_ids(model: torch.nn.Module, tokenizer: Any) -> list[int]:

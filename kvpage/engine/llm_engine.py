@@ -120,7 +120,7 @@ class LLMEngine:
         if "#" in request_id:
             raise ValueError(f"request id {request_id!r}: '#' is reserved for naming parallel samples")
         token_ids = self.prompts.encode(prompt)
-        self.prompts.check_logit_bias(params)
+        self.prompts.check_params(params)
         eos = self.eos_token_ids[0] if self.eos_token_ids else None
         request = Request(sample_request_id(request_id, 0, params.n), token_ids,
                           with_eos_stops(params, self.eos_token_ids), eos, namespace, group_id=request_id)

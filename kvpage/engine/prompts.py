@@ -29,7 +29,10 @@ class PromptEncoder:
                 raise ValueError("the prompt encodes to no tokens")
         else:
             try:  # operator.index: ints (numpy and 0-d tensors too), never floats, strings or None
-                ids = [operator.index(t) for t in prompt]
+                items = list(prompt)
+                if isinstance(prompt, (bytes, bytearray)) or any(isinstance(t, bool) for t in items):
+                    raise TypeError("bytes and bools are not token ids")
+                ids = [operator.index(t) for t in items]
             except TypeError:
                 raise ValueError("a prompt must be a string or a sequence of integer token ids") from None
         if not ids:
@@ -39,11 +42,15 @@ class PromptEncoder:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
         return ids
 
-    def check_logit_bias(self, params: SamplingParams) -> None:
-        """``ValueError`` where ``params.logit_bias`` names a token outside the vocabulary."""
+    def check_params(self, params: SamplingParams) -> None:
+        """``ValueError`` where ``params`` names a token outside the vocabulary (``logit_bias``)
+        or asks for more top log-probabilities than it holds."""
         bad = [t for t in (params.logit_bias or {}) if t >= self.vocab_size]
         if bad:
             raise ValueError(f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        for name in ("logprobs", "prompt_logprobs"):
+            if (getattr(params, name) or 0) > self.vocab_size:
+                raise ValueError(f"{name}={getattr(params, name)} exceeds the vocabulary of {self.vocab_size} tokens")
 
 
 def with_eos_stops(params: SamplingParams, eos_token_ids: Sequence[int]) -> SamplingParams:

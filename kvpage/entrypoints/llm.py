@@ -19,11 +19,16 @@ if TYPE_CHECKING:
 
     from kvpage.adapters.hf_runner import HFModelRunner
 
-PromptsArg = Union[str, Sequence[str], Sequence[Sequence[int]]]
+PromptsArg = Union[str, dict, Sequence[Union[str, dict, Sequence[int]]]]
+#: vLLM's prompt dictionaries: ``{"prompt": text}`` or ``{"prompt_token_ids": ids}``.
+PROMPT_KEYS = ("prompt", "prompt_token_ids")
 
 
 def engine_config(config: Optional[EngineConfig] = None, **options: Any) -> EngineConfig:
     """``config`` (or the defaults) with ``options`` (``EngineConfig`` field names) applied."""
+    if config is not None and not isinstance(config, EngineConfig):
+        raise ValueError(f"config must be an EngineConfig (or pass its fields as keywords), got "
+                         f"{type(config).__name__}")
     names = {f.name for f in dataclasses.fields(EngineConfig)}
     unknown = sorted(set(options) - names)
     if unknown:
@@ -48,6 +53,7 @@ class LLM:
         built = build_hf_engine(self.model, self.tokenizer, self.config)
         self.engine: LLMEngine = built.engine
         self.runner: "HFModelRunner" = built.runner
+        self._restored = False
 
     @property
     def device(self) -> "torch.device":
@@ -87,9 +93,10 @@ class LLM:
                 bar.close()
         return [results[rid] for rid in ids]
 
-    def stream(self, prompt: Union[str, Sequence[int]], sampling_params: Optional[SamplingParams] = None) -> Iterator[StreamDelta]:
+    def stream(self, prompt: Union[str, dict, Sequence[int]],
+               sampling_params: Optional[SamplingParams] = None) -> Iterator[StreamDelta]:
         """Yield incremental text and tokens for one prompt as they are produced."""
-        (rid,) = self._add_all([prompt], [sampling_params or SamplingParams()])
+        (rid,) = self._add_all([_prompt_of(prompt)], self._as_params_list(sampling_params, 1))
         finished = False
         try:
             while not finished:
@@ -101,6 +108,8 @@ class LLM:
             self.engine.abort(rid)
 
     def _add_all(self, prompts: list, params: list) -> list[str]:
+        if self._restored:
+            raise ValueError("this LLM gave its model back (restore()); build a new one (kvpage.patch) to generate")
         ids: list[str] = []
         try:
             for prompt, p in zip(prompts, params):
@@ -113,14 +122,14 @@ class LLM:
 
     @staticmethod
     def _as_prompt_list(prompts: PromptsArg) -> list:
-        if isinstance(prompts, str):
-            return [prompts]
+        if isinstance(prompts, (str, dict)):
+            return [_prompt_of(prompts)]
         prompts = _as_list(prompts, "prompts")
         if prompts and all(isinstance(t, int) for t in prompts):
             raise ValueError("pass token-id prompts as a list of lists: [[1, 2, 3]]")
         if not prompts:
             raise ValueError("no prompts given")
-        return prompts
+        return [_prompt_of(p) for p in prompts]
 
     @staticmethod
     def _as_params_list(params: Any, count: int) -> list[SamplingParams]:
@@ -128,6 +137,8 @@ class LLM:
             return [SamplingParams()] * count
         if isinstance(params, SamplingParams):
             return [params] * count
+        if isinstance(params, (dict, str)):
+            raise ValueError(f"sampling_params must be a SamplingParams or a list of them, got {type(params).__name__}")
         params = _as_list(params, "sampling_params")
         if len(params) != count:
             raise ValueError(f"got {len(params)} SamplingParams for {count} prompts")
@@ -174,8 +185,25 @@ class LLM:
         self.engine.reset_step_stats()
 
     def restore(self) -> None:
-        """Give the model back its original attention implementation (plain HF use)."""
+        """Give the model back its original attention implementation (plain HF use). This
+        ``LLM`` generates no more: ``generate`` and ``stream`` then raise ``ValueError``."""
         self.runner.restore()
+        self._restored = True
+
+
+def _prompt_of(prompt: Any) -> Any:
+    """A prompt as the engine takes it: text or token ids; vLLM's dictionaries unwrapped."""
+    if not isinstance(prompt, dict):
+        return prompt
+    keys = set(prompt)
+    if len(keys) != 1 or not keys <= set(PROMPT_KEYS):
+        raise ValueError(f"a prompt dictionary holds exactly one of {list(PROMPT_KEYS)}; got keys {sorted(keys)}")
+    (value,) = prompt.values()
+    if "prompt" in prompt and not isinstance(value, str):
+        raise ValueError(f"'prompt' must be text, got {type(value).__name__}")
+    if "prompt_token_ids" in prompt and isinstance(value, str):
+        raise ValueError("'prompt_token_ids' must be a list of token ids, got text")
+    return value
 
 
 def _as_list(value: Any, name: str) -> list:

@@ -38,6 +38,9 @@ class BlockPool:
     """A pool of ``num_blocks`` KV blocks of ``block_size`` token slots each."""
 
     def __init__(self, num_blocks: int, block_size: int, num_tags: int = 1) -> None:
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (num_blocks, block_size, num_tags)):
+            raise ValueError(f"num_blocks, block_size and num_tags must be integers, got {num_blocks!r}, "
+                             f"{block_size!r}, {num_tags!r}")
         if num_blocks <= 0 or block_size <= 0 or num_tags <= 0:
             raise ValueError(f"num_blocks, block_size and num_tags must be positive, got {num_blocks}, "
                              f"{block_size}, {num_tags}")
@@ -122,8 +125,8 @@ class BlockPool:
 
         Raises ``NoFreeBlocksError`` (and changes nothing) if fewer are free or evictable.
         """
-        if num_blocks < 0:
-            raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
+        if not isinstance(num_blocks, int) or num_blocks < 0:
+            raise ValueError(f"num_blocks must be an integer >= 0, got {num_blocks!r}")
         if num_blocks > self.num_free_blocks:
             raise NoFreeBlocksError(
                 f"asked for {num_blocks} blocks, only {self.num_free_blocks} free of {self.num_blocks}"
@@ -176,6 +179,8 @@ class BlockPool:
         Raises ``ValueError`` on an unknown block or a block with no holder (double free).
         """
         # Validate everything first so a bad call changes nothing.
+        if isinstance(block_ids, int):
+            raise ValueError(f"free takes a sequence of block ids, got the int {block_ids}")
         for b, times in Counter(block_ids).items():
             self._check_id(b)
             if self._ref_count[b] < times:

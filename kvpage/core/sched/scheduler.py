@@ -59,6 +59,9 @@ class Scheduler:
 
     def __init__(self, cache_config: CacheConfig, scheduler_config: SchedulerConfig,
                  step_cost: Optional[StepCost] = None) -> None:
+        if not isinstance(cache_config, CacheConfig) or not isinstance(scheduler_config, SchedulerConfig):
+            raise ValueError(f"Scheduler takes a CacheConfig and a SchedulerConfig, got "
+                             f"{type(cache_config).__name__} and {type(scheduler_config).__name__}")
         scheduler_config.check_against(cache_config)
         self.cache_config = cache_config
         self.config = scheduler_config

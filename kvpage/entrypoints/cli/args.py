@@ -132,6 +132,14 @@ def positive_int(text: str) -> int:
     return _int_in(text, 1, None, "an integer", "must be >= 1")
 
 
+def block_size(text: str) -> int:
+    """Tokens per KV block: a power of two."""
+    value = positive_int(text)
+    if value & (value - 1):
+        raise argparse.ArgumentTypeError(f"a block size is a power of two, got {value}")
+    return value
+
+
 def port(text: str) -> int:
     """A TCP port, 0-65535 (0: any free port)."""
     return _int_in(text, 0, 65535, "a port number", "a port is in 0-65535")

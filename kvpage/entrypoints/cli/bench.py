@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 from kvpage.core.kv_formats import KV_CACHE_DTYPES
 from kvpage.tools.bench.model import DTYPES
 from kvpage.tools.bench.workload import SCALES as WORKLOAD_SCALES, SCENARIOS
-from kvpage.entrypoints.cli.args import non_negative_float, positive_int
+from kvpage.entrypoints.cli.args import block_size, non_negative_float, positive_float, positive_int
 
 SCALES = ("auto", *WORKLOAD_SCALES)
 LETTERS = "ABCDEFG"
@@ -49,13 +49,13 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add("--scale", choices=SCALES, default="auto", help="workload size (auto: full on a GPU, cpu otherwise)")
     add("--quick", action="store_true", help="a smaller workload (scale 'quick'), for a fast look")
     add("--rate", type=non_negative_float, default=None, help="Poisson arrival rate, requests/s (0 = all at t=0)")
-    add("--kv-budget-mb", type=non_negative_float, default=None, help="KV budget in MiB for every configuration "
+    add("--kv-budget-mb", type=positive_float, default=None, help="KV budget in MiB for every configuration "
         "(default: what --static-seqs sequences at the workload's max length take)")
     add("--static-seqs", type=positive_int, default=8, help="sequences the default KV budget holds at max length")
     add("--max-num-seqs", type=positive_int, default=64, help="cap on sequences per step for B-E")
     add("--token-budget", type=positive_int, default=None, help="tokens per step with chunked prefill "
         "(default 128 on CPU, 512 at full scale)")
-    add("--block-size", type=positive_int, default=16, help="KV block (page) size in tokens for B-E")
+    add("--block-size", type=block_size, default=16, help="KV block (page) size in tokens for B-E")
     add("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help="KV cache format of the kvpage "
         "configurations C-G (auto: the model's dtype); the KV budget in bytes stays that of the model's dtype, "
         "so a quantized format holds more tokens")

@@ -9,14 +9,18 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
-from kvpage.entrypoints.cli.args import CLIParser, UsageError
+from kvpage.entrypoints.cli.args import CLIParser, UsageError, positive_int
 
 
 def _demo(args: argparse.Namespace) -> int:
     from kvpage.entrypoints.cli.demo import run_demo
 
-    return run_demo(model=args.model, num_prompts=args.num_prompts, max_tokens=args.max_tokens,
-                    compare_hf=not args.no_compare, dtype=args.dtype, exact=args.mode == "exact")
+    try:
+        return run_demo(model=args.model, num_prompts=args.num_prompts, max_tokens=args.max_tokens,
+                        compare_hf=not args.no_compare, dtype=args.dtype, exact=args.mode == "exact")
+    except ValueError as exc:  # a model that cannot load or be served: one line, as serve and plan
+        print(f"kvpage demo: {exc}", file=sys.stderr)
+        return 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,8 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=CLIParser)
     demo = sub.add_parser("demo", help="run chat prompts through paged continuous batching and compare with HF")
     demo.add_argument("--model", default="smollm2-135m", help="local HF folder or alias (default: embedded SmolLM2)")
-    demo.add_argument("--num-prompts", type=int, default=12)
-    demo.add_argument("--max-tokens", type=int, default=48)
+    demo.add_argument("--num-prompts", type=positive_int, default=12)
+    demo.add_argument("--max-tokens", type=positive_int, default=48)
     demo.add_argument("--no-compare", action="store_true", help="skip the plain HF generate comparison")
     demo.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"],
                       help="float32 (default) keeps greedy answers comparable with HF one prompt at a time")

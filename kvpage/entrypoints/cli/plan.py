@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from kvpage.core.kv_formats import KV_CACHE_DTYPES
-from kvpage.entrypoints.cli.args import UsageError, positive_float, positive_int
+from kvpage.entrypoints.cli.args import UsageError, block_size, positive_float, positive_int
 from kvpage.entrypoints.cli.serve import parse_bytes
 
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -31,7 +31,7 @@ def add_plan_parser(sub) -> argparse.ArgumentParser:
     budget.add_argument("--gpu-memory-utilization", type=positive_float, default=None,
                         help="share of the GPU for weights and KV (needs a visible GPU; activations are "
                              "not profiled, so the engine's figure is a little lower)")
-    p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
+    p.add_argument("--block-size", type=block_size, default=16, help="tokens per KV block (a power of two)")
     p.add_argument("--max-num-batched-tokens", type=positive_int, default=2048,
                    help="token budget of one step (a prefill chunk's size)")
     p.add_argument("--max-num-seqs", type=positive_int, default=256, help="most sequences in one step")
@@ -80,12 +80,16 @@ def _gpu_measurements(utilization: float, model: str) -> dict:
 
 
 def run_plan_command(args: argparse.Namespace) -> int:
-    from kvpage.adapters.config_spec import kv_spec_from_config
+    from kvpage.adapters.config_spec import kv_spec_from_config, max_positions
 
     from kvpage.storage.plan import format_rows, memory_plan
 
     try:
-        spec = kv_spec_from_config(_load_config(args.model), args.block_size, args.dtype)
+        config = _load_config(args.model)
+        if args.max_model_len > max_positions(config):  # the engine refuses it alike
+            raise ValueError(f"max_model_len={args.max_model_len} exceeds the model's {max_positions(config)} "
+                             f"positions")
+        spec = kv_spec_from_config(config, args.block_size, args.dtype)
         spec = dataclasses.replace(spec, kv_cache_dtype=args.kv_cache_dtype)
         measured = _gpu_measurements(args.gpu_memory_utilization, args.model) if args.gpu_memory_utilization else {}
         plan = memory_plan(spec, args.max_model_len, args.max_num_batched_tokens,
