@@ -126,6 +126,9 @@ class HFModelRunner:
                 self.linear_compute = pick_compute_dtype(model, linear_compute_dtype)
                 self._undo.callback(use_onednn_linears(model, self.linear_compute[0]))
             elif row_tiled_linears:  # batch-invariant linears (EngineConfig.batch_invariant)
+                if self.state_layout:
+                    raise UnsupportedModelError("batch_invariant covers attention models: this one carries "
+                                                "recurrent state, whose updates it does not tile")
                 self._undo.callback(use_row_tiled_linears(model))
             self.kv_dtype = self._probe_sites()
         except BaseException:

@@ -10,9 +10,10 @@ row's result depends on that row alone, wherever it sits in the tile
 (``tests/test_batch_invariant.py`` holds this on the CPU the suite runs on). The price is
 one call per tile and the padded rows' work.
 
-``use_row_tiled_linears(model)`` swaps each ``nn.Linear`` *instance* for a ``RowTiledLinear``
-sharing its parameters (no class is patched) and returns the undo function, as
-:mod:`kvpage.adapters.onednn_linear` does for its linears.
+``use_row_tiled_linears(model)`` swaps each ``nn.Linear`` *instance*, and each of
+transformers' ``Conv1D`` (GPT-2's projections: ``x @ W + b``, the weight stored transposed),
+for a ``RowTiledLinear`` sharing its parameters (no class is patched) and returns the undo
+function, as :mod:`kvpage.adapters.onednn_linear` does for its linears.
 """
 from __future__ import annotations
 
@@ -20,18 +21,27 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from transformers.pytorch_utils import Conv1D
 
 #: Rows per matmul call. A decode step of up to this many sequences is one call.
 TILE_ROWS = 32
 
 
 class RowTiledLinear(torch.nn.Module):
-    """``nn.Linear``'s forward, computed in tiles of :data:`TILE_ROWS` rows (inference only)."""
+    """``nn.Linear``'s (or ``Conv1D``'s) forward, computed in tiles of :data:`TILE_ROWS`
+    rows (inference only)."""
 
-    def __init__(self, linear: torch.nn.Linear) -> None:
+    def __init__(self, layer: torch.nn.Module) -> None:
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight, self.bias = linear.weight, linear.bias
+        self.weight, self.bias = layer.weight, layer.bias
+        self.transposed = isinstance(layer, Conv1D)  # weight [in, out], applied by addmm
+        self.in_features, self.out_features = (tuple(layer.weight.shape) if self.transposed
+                                               else (layer.in_features, layer.out_features))
+
+    def _project(self, rows: torch.Tensor) -> torch.Tensor:
+        if self.transposed:
+            return torch.addmm(self.bias, rows, self.weight)
+        return F.linear(rows, self.weight, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
@@ -39,20 +49,21 @@ class RowTiledLinear(torch.nn.Module):
         out = rows.new_empty(count, self.out_features)
         full = count - count % TILE_ROWS
         for start in range(0, full, TILE_ROWS):
-            out[start:start + TILE_ROWS] = F.linear(rows[start:start + TILE_ROWS], self.weight, self.bias)
+            out[start:start + TILE_ROWS] = self._project(rows[start:start + TILE_ROWS])
         if full < count:
             tail = rows.new_zeros(TILE_ROWS, self.in_features)
             tail[:count - full] = rows[full:]
-            out[full:] = F.linear(tail, self.weight, self.bias)[:count - full]
+            out[full:] = self._project(tail)[:count - full]
         return out.view(*x.shape[:-1], self.out_features)
 
 
 def use_row_tiled_linears(model: torch.nn.Module) -> Callable[[], None]:
-    """Swap every ``nn.Linear`` of ``model`` for a ``RowTiledLinear``; returns the undo function."""
-    swapped: list[tuple[torch.nn.Module, str, torch.nn.Linear]] = []
+    """Swap every ``nn.Linear`` and ``Conv1D`` of ``model`` for a ``RowTiledLinear``;
+    returns the undo function."""
+    swapped: list[tuple[torch.nn.Module, str, torch.nn.Module]] = []
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is torch.nn.Linear:
+            if type(child) in (torch.nn.Linear, Conv1D):
                 setattr(parent, name, RowTiledLinear(child))
                 swapped.append((parent, name, child))
 

@@ -67,10 +67,11 @@ def test_a_request_alone_and_in_a_crowd_gets_the_same_bits(llama, name, dtype):
 
 
 @pytest.mark.parametrize("family, name, blocks", [("gemma2", "auto", 30), ("gemma3", "int8", 35),
-                                                  ("mistral", "fp8_e4m3", 24), ("qwen3", "int4", 24)])
+                                                  ("mistral", "fp8_e4m3", 24), ("qwen3", "int4", 24),
+                                                  ("gpt2", "auto", 24)])
 def test_sliding_windows_softcaps_and_other_heads_too(family, name, blocks):
-    """Sliding windows (hybrid groups), logit softcaps and head sizes of 16; ``blocks``: a
-    pool just large enough for one request of ``max_model_len``."""
+    """Sliding windows (hybrid groups), logit softcaps, head sizes of 16 and GPT-2's Conv1D
+    projections; ``blocks``: a pool just large enough for one request of ``max_model_len``."""
     stats = _alone_and_in_a_crowd(tiny_model(family), name, crowd_blocks=blocks)
     assert stats["num_preemptions"] > 0, "the pool should be too small for the batch"
 
@@ -86,6 +87,23 @@ def test_row_tiled_linear_rows_depend_on_themselves_alone():
         for start in (0, 3, 40):
             assert torch.equal(tiled(x[start:start + rows]), whole[start:start + rows]), (rows, start)
     assert torch.equal(tiled(x.view(1, -1, 96))[0], whole)  # any leading shape
+
+
+def test_conv1d_projections_are_tiled_alike():
+    from transformers.pytorch_utils import Conv1D
+
+    torch.manual_seed(0)
+    conv = Conv1D(200, 96)
+    tiled = RowTiledLinear(conv)
+    x = torch.randn(2 * TILE_ROWS + 3, 96)
+    whole = tiled(x)
+    torch.testing.assert_close(whole, conv(x))
+    assert torch.equal(tiled(x[5:6]), whole[5:6])
+
+
+def test_a_model_with_recurrent_state_is_refused():
+    with pytest.raises(ValueError, match="batch_invariant covers attention models"):
+        engine(tiny_model("mamba"), "auto", batch_invariant=True).__enter__()
 
 
 def test_settings_it_contradicts_are_value_errors():

@@ -122,8 +122,9 @@ class CPUKernels:
     def attend(self, q: Array, key_cache: Array, value_cache: Array, md: CPUAttentionMetadata,
                call: LayerCall) -> Array:
         """The contract's ``paged_attention`` of ``q`` ``[T, H, D]``; returns ``[T, H, D_v]`` in q's dtype."""
-        if call.is_variant:
-            return self._variant(q, key_cache, value_cache, md, call)
+        if call.is_variant:  # under schedule_invariant torch's step takes every row as a prompt row too
+            return self._variant(q, key_cache, value_cache, md.as_prompt_rows() if self._schedule_invariant else md,
+                                 call)
         return self._step(q, key_cache, value_cache, md, call)
 
     def write(self, key_cache: Array, value_cache: Array, k: Array, v: Array, slot_mapping: Array) -> None:
