@@ -86,6 +86,14 @@ def test_exact_flag_reaches_the_config_and_a_contradiction_is_a_usage_error():
         config_from_args(parse("--exact", "--onednn-linears"))
 
 
+def test_batch_invariant_flag_reaches_the_config():
+    assert not config_from_args(parse()).batch_invariant
+    config = config_from_args(parse("--batch-invariant"))
+    assert config.batch_invariant and config.exact_mode
+    with pytest.raises(UsageError, match="batch_invariant=True runs the model eagerly"):
+        config_from_args(parse("--batch-invariant", "--no-enforce-eager"))
+
+
 def test_linear_compute_dtype_flag_reaches_the_config():
     assert config_from_args(parse()).linear_compute_dtype == "auto"
     assert config_from_args(parse("--linear-compute-dtype", "float32")).linear_compute_dtype == "float32"
