@@ -76,6 +76,9 @@ def test_plans_the_engine_would_refuse_are_errors(gemma3_pattern, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["plan", str(gemma3_pattern), "--max-model-len", "1024", "--block-size", "7"])
     assert exc.value.code == 2 and "a block size is a power of two" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", str(gemma3_pattern), "--max-model-len", "1024", "--gpu-memory-utilization", "5"])
+    assert exc.value.code == 2 and "a share of memory is in (0, 1]" in capsys.readouterr().err
     assert main(["plan", str(gemma3_pattern), "--max-model-len", "10000000", "--kv-cache-memory", "1GiB"]) == 1
     assert "exceeds the model's" in capsys.readouterr().err
 

@@ -92,6 +92,14 @@ def positive_float(text: str) -> float:
     return _bounded_float(text, allow_zero=False)
 
 
+def memory_share(text: str) -> float:
+    """A share of device memory: a number in (0, 1]."""
+    value = positive_float(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"a share of memory is in (0, 1], got {value:g}")
+    return value
+
+
 class _FollowsChunkedPrefill:
     """``--max-step-ms``'s default: ``auto`` with chunked prefill, ``off`` without (not a str,
     so argparse passes it through untouched and ``config_from_args`` can tell it apart)."""

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from kvpage.core.kv_formats import KV_CACHE_DTYPES
-from kvpage.entrypoints.cli.args import UsageError, block_size, positive_float, positive_int
+from kvpage.entrypoints.cli.args import UsageError, block_size, memory_share, positive_int
 from kvpage.entrypoints.cli.serve import parse_bytes
 
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -28,7 +28,7 @@ def add_plan_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=positive_int, required=True, help="tokens per request to plan for")
     budget = p.add_mutually_exclusive_group()
     budget.add_argument("--kv-cache-memory", type=parse_bytes, default=None, help="KV budget in bytes, e.g. 8GiB")
-    budget.add_argument("--gpu-memory-utilization", type=positive_float, default=None,
+    budget.add_argument("--gpu-memory-utilization", type=memory_share, default=None,
                         help="share of the GPU for weights and KV (needs a visible GPU; activations are "
                              "not profiled, so the engine's figure is a little lower)")
     p.add_argument("--block-size", type=block_size, default=16, help="tokens per KV block (a power of two)")
