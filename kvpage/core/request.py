@@ -38,17 +38,13 @@ def sample_request_id(group_id: str, index: int, num_samples: int) -> str:
     return group_id if num_samples == 1 else f"{group_id}#{index}"
 
 
-def _token_id(request_id: str, value: object) -> int:
-    """``value`` as a token id: a non-negative integer (numpy's too), never a float or bool."""
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        token = operator.index(value)
-    except TypeError:
-        raise ValueError(f"request {request_id!r}: token ids are integers, got {value!r}") from None
-    if token < 0:
-        raise ValueError(f"request {request_id!r}: token ids are non-negative, got {token}")
-    return token
+def as_token_ids(values: Sequence) -> list[int]:
+    """``values`` as a list of ints: integers (numpy's too, through ``operator.index``).
+    Raises ``TypeError`` for anything else, bools (ints to Python, not tokens) included."""
+    ids = list(map(operator.index, values))  # TypeError for floats, strings, None
+    if bool in set(map(type, values)):
+        raise TypeError("bools are not token ids")
+    return ids
 
 
 class Request:
@@ -96,7 +92,13 @@ class Request:
         self.arrival_order = 0
         self.group_id = request_id if group_id is None else group_id
         self.sample_index = sample_index
-        self.all_token_ids: list[int] = [_token_id(request_id, t) for t in prompt_token_ids]
+        try:
+            self.all_token_ids: list[int] = as_token_ids(prompt_token_ids)
+        except TypeError:
+            raise ValueError(f"request {request_id!r}: token ids are integers, not "
+                             f"{sorted({type(t).__name__ for t in prompt_token_ids})}") from None
+        if min(self.all_token_ids) < 0:
+            raise ValueError(f"request {request_id!r}: token ids are non-negative, got {min(self.all_token_ids)}")
         self.num_prompt_tokens = len(self.all_token_ids)
         self.status = RequestStatus.WAITING
         # One block table per KV group (``kv_groups``); group 0's is ``block_ids``. In a

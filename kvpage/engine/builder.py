@@ -255,9 +255,7 @@ def build_hf_engine(model: torch.nn.Module, tokenizer: Any, config: EngineConfig
     # Dynamo guards a compiled graph on its thread count (see thread_governor):
     # the governor of a compiled engine moves between this count and one thread fewer, and
     # both get their compiled entry at start-up.
-    # A batch-invariant engine keeps one thread count: a matmul's kernel may follow it.
-    governed = (runner.device.type == "cpu" and not config.batch_invariant
-                and governor_wanted(config.num_threads, num_threads))
+    governed = runner.device.type == "cpu" and governor_wanted(_fixed_threads(config, num_threads), num_threads)
     fallback_threads = (num_threads - 1,) if governed else ()
     try:
         max_model_len = resolve_max_model_len(model, config)
@@ -284,9 +282,15 @@ def _engine_threads(runner: HFModelRunner, config: EngineConfig, num_threads: in
     if runner.device.type != "cpu":
         return {}
     counts = None if runner.compiled is None else (num_threads, *fallback_threads)
-    governor = None if config.batch_invariant else governor_for(config.num_threads, num_threads,
-                                                                  set_compute_threads, counts)
-    return {"compute_threads": num_threads, "thread_governor": governor}
+    return {"compute_threads": num_threads,
+            "thread_governor": governor_for(_fixed_threads(config, num_threads), num_threads, set_compute_threads,
+                                            counts)}
+
+
+def _fixed_threads(config: EngineConfig, num_threads: int) -> Optional[int]:
+    """The thread count the engine must keep (no governor), or None: the user's, or in the
+    batch-invariant mode the one resolved (a matmul's kernel may follow the count)."""
+    return num_threads if config.batch_invariant else config.num_threads
 
 
 def _kv_event_publisher(config: EngineConfig, scheduler: Scheduler) -> Optional[KVEventPublisher]:

@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import dataclasses
-import operator
 from typing import Any, Sequence, Union
 
+from kvpage.core.request import as_token_ids
 from kvpage.core.sampling_params import SamplingParams
 
 Prompt = Union[str, Sequence[int]]
@@ -28,11 +28,10 @@ class PromptEncoder:
             if not ids:
                 raise ValueError("the prompt encodes to no tokens")
         else:
-            try:  # operator.index: ints (numpy and 0-d tensors too), never floats, strings or None
-                items = list(prompt)
-                if isinstance(prompt, (bytes, bytearray)) or any(isinstance(t, bool) for t in items):
-                    raise TypeError("bytes and bools are not token ids")
-                ids = [operator.index(t) for t in items]
+            try:  # ints (numpy and 0-d tensors too), never floats, strings, bools or None
+                if isinstance(prompt, (bytes, bytearray)):
+                    raise TypeError("bytes are not token ids")
+                ids = as_token_ids(list(prompt))
             except TypeError:
                 raise ValueError("a prompt must be a string or a sequence of integer token ids") from None
         if not ids:

@@ -86,9 +86,9 @@ def run_plan_command(args: argparse.Namespace) -> int:
 
     try:
         config = _load_config(args.model)
-        if args.max_model_len > max_positions(config):  # the engine refuses it alike
-            raise ValueError(f"max_model_len={args.max_model_len} exceeds the model's {max_positions(config)} "
-                             f"positions")
+        positions = max_positions(config)
+        if args.max_model_len > positions:  # the engine refuses it alike
+            raise ValueError(f"max_model_len={args.max_model_len} exceeds the model's {positions} positions")
         spec = kv_spec_from_config(config, args.block_size, args.dtype)
         spec = dataclasses.replace(spec, kv_cache_dtype=args.kv_cache_dtype)
         measured = _gpu_measurements(args.gpu_memory_utilization, args.model) if args.gpu_memory_utilization else {}
