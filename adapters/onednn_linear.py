@@ -41,6 +41,7 @@ from typing import Callable, Optional
 import torch
 
 from kvpage.core.config import LINEAR_COMPUTE_DTYPES
+from kvpage.storage.sizing import free_ram_bytes
 
 
 @dataclass(frozen=True)
@@ -169,18 +170,6 @@ def _linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
     return [m for m in model.modules() if type(m) is torch.nn.Linear]
 
 
-def _available_memory() -> Optional[int]:
-    """Bytes the OS could still hand out (Linux's ``MemAvailable``), or None if unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def _seconds_per_matmul(weight: torch.Tensor, dtype: torch.dtype, rows: int, reps: int = 5) -> float:
     """The best of ``reps`` timed oneDNN matmuls of ``rows`` rows by ``weight`` at ``dtype``."""
     with torch.no_grad():
@@ -228,8 +217,7 @@ def pick_compute_dtype(model: torch.nn.Module, setting: str = "auto") -> tuple[t
     if not linears:
         return dtype, "the model's dtype (no linears)"
     extra = sum(m.weight.numel() for m in linears) * 4  # the float32 copies, made after this
-    available = _available_memory()
-    if available is not None and extra > available // 2:
+    if extra > free_ram_bytes() // 2:
         return dtype, f"float32 copies ({extra / 2**30:.1f} GiB) would not fit in half the available memory"
     # The layers' linears do most of the work; an output embedding as wide as a vocabulary
     # is a shape of its own (and near a tie at prompt rows on AVX-512 CPUs), so it is not

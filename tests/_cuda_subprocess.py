@@ -1,4 +1,5 @@
-"""Run a helper in a fresh interpreter and parse its JSON-lines output (for the CUDA tests).
+"""Run a helper in a fresh interpreter and parse its JSON-lines output (for the CUDA tests):
+:func:`run_json_lines` is the parent's side, :func:`serve_cases` the helper's.
 
 ``python -P`` keeps the repository root off ``sys.path``: there, the top-level ``cuda/``
 directory would shadow NVIDIA's ``cuda`` namespace package that numba-cuda imports.
@@ -9,7 +10,10 @@ import json
 import os
 import subprocess
 import sys
+import time
+import traceback
 from pathlib import Path
+from typing import Callable
 
 TESTS_DIR = Path(__file__).resolve().parent
 
@@ -27,3 +31,21 @@ def run_json_lines(args: list[str], env_updates: dict[str, str], timeout: float)
         raise RuntimeError(f"helper {args} exited {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\n"
                            f"stderr:\n{proc.stderr[-3000:]}")
     return rows
+
+
+def serve_cases(cases: dict[str, Callable[[], object]], names: list[str]) -> int:
+    """The helper's side under the simulator: run ``names`` (default: every case), printing one
+    JSON line each (``name``, ``ok``, ``detail``: the case's result or its traceback, ``seconds``)."""
+    from numba import config
+
+    if not config.ENABLE_CUDASIM:
+        sys.exit("set NUMBA_ENABLE_CUDASIM=1 before running this script")
+    for name in names or list(cases):
+        start = time.perf_counter()
+        try:
+            detail, ok = cases[name](), True
+        except Exception:
+            detail, ok = traceback.format_exc(limit=6), False
+        print(json.dumps({"name": name, "ok": ok, "detail": detail, "seconds": time.perf_counter() - start}),
+              flush=True)
+    return 0

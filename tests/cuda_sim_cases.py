@@ -10,10 +10,8 @@ Every case compares against ``kvpage.attention.reference`` with fp32/fp16 tolera
 """
 from __future__ import annotations
 
-import json
 import sys
-import time
-import traceback
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -192,21 +190,8 @@ CASES: dict[str, Callable[[], str]] = {
 }
 
 
-def main(names: list[str]) -> int:
-    for name in names or list(CASES):
-        start = time.perf_counter()
-        try:
-            detail, ok = CASES[name](), True
-        except Exception:
-            detail, ok = traceback.format_exc(limit=6), False
-        print(json.dumps({"name": name, "ok": ok, "detail": detail, "seconds": time.perf_counter() - start}),
-              flush=True)
-    return 0
-
-
 if __name__ == "__main__":
-    from numba import config
+    sys.path.append(str(Path(__file__).resolve().parent))  # run with -P: the tests folder, last
+    from _cuda_subprocess import serve_cases
 
-    if not config.ENABLE_CUDASIM:
-        sys.exit("set NUMBA_ENABLE_CUDASIM=1 before running this script")
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(serve_cases(CASES, sys.argv[1:]))

@@ -99,7 +99,7 @@ def test_auto_widens_on_a_measured_win(monkeypatch, speedup, want):
 def test_auto_keeps_the_model_dtype_when_memory_is_short(monkeypatch):
     if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         pytest.skip("no oneDNN bf16 matmul on this CPU")
-    monkeypatch.setattr(onednn_linear, "_available_memory", lambda: 1000)
+    monkeypatch.setattr(onednn_linear, "free_ram_bytes", lambda: 1000)
     monkeypatch.setattr(onednn_linear, "_seconds_per_matmul", lambda *a, **k: pytest.fail("timed anyway"))
     dtype, why = pick_compute_dtype(_bf16_mlp(), "auto")
     assert dtype == torch.bfloat16 and "available memory" in why
