@@ -35,6 +35,11 @@ def _require_positive_int(name: str, value: object) -> None:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
+def _require_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
 def _check_max_step_ms(value: object, enable_chunked_prefill: bool) -> None:
     if value is None:
         return
@@ -78,6 +83,8 @@ class CacheConfig:
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         _require_positive_int("num_blocks", self.num_blocks)
+        for name in ("enable_prefix_caching", "enable_kv_events"):
+            _require_bool(name, getattr(self, name))
         for name in ("num_host_blocks", "num_disk_blocks", "num_state_slots"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -86,6 +93,9 @@ class CacheConfig:
             raise ValueError("the KV tiers keep prefix-cache blocks: they need enable_prefix_caching")
         if self.num_disk_blocks and not self.num_host_blocks:
             raise ValueError("the disk tier reads through host memory: num_disk_blocks needs num_host_blocks")
+        if isinstance(self.group_windows, (str, bytes)) or not hasattr(self.group_windows, "__iter__"):
+            raise ValueError(f"group_windows must be a sequence of windows (None or a positive integer), "
+                             f"got {self.group_windows!r}")
         windows = tuple(self.group_windows)
         object.__setattr__(self, "group_windows", windows)
         if not windows or windows[0] is not None:
@@ -137,6 +147,7 @@ class SchedulerConfig:
         _require_positive_int("max_num_seqs", self.max_num_seqs)
         _require_positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         _require_positive_int("max_model_len", self.max_model_len)
+        _require_bool("enable_chunked_prefill", self.enable_chunked_prefill)
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
         if self.max_waiting is not None:
@@ -278,8 +289,7 @@ class EngineConfig:
 
     def _check_mode(self) -> None:
         for name in ("enable_chunked_prefill", "enable_prefix_caching", "disable_hybrid_kv_cache_manager"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+            _require_bool(name, getattr(self, name))
         for name in ("exact", "batch_invariant", "enforce_eager", "onednn_linears"):
             value = getattr(self, name)
             if not (isinstance(value, bool) or (value is None and name not in ("exact", "batch_invariant"))):

@@ -127,8 +127,9 @@ class KVFormat:
     def block_regions(self, block_size: int, heads: int, head_dim: int) -> tuple:
         """A quantized block's two regions, as ``(offset, shape)`` pairs in bytes: the codes
         ``[block_size, heads, code_bytes]`` from byte 0, then the scales ``[block_size, heads,
-        scale_bytes]``. Code rows stay 16-byte aligned (head sizes are multiples of 16 for the
-        kernels), which a GPU's vector loads need; a block's bytes are one contiguous span."""
+        scale_bytes]``. A block's bytes are one contiguous span. Code rows are 16-byte aligned
+        where a row's code bytes are a multiple of 16 (fp8 and int8 at head sizes that are
+        multiples of 16, int4 at multiples of 32); the kernels read other rows unaligned."""
         codes = block_size * heads * self.code_bytes(head_dim)
         return ((0, (block_size, heads, self.code_bytes(head_dim))),
                 (codes, (block_size, heads, self.scale_bytes(head_dim))))

@@ -9,6 +9,7 @@ Token index regions of one request (``all_token_ids`` = prompt + output)::
 from __future__ import annotations
 
 import enum
+import numbers
 import operator
 import time
 from collections.abc import Sized
@@ -31,6 +32,10 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     ABORT = "abort"
     ERROR = "error"
+
+
+#: The largest token id: step metadata carries token ids as int64.
+MAX_TOKEN_ID = 2**63 - 1
 
 
 def sample_request_id(group_id: str, index: int, num_samples: int) -> str:
@@ -76,6 +81,8 @@ class Request:
         group_id: Optional[str] = None,
         sample_index: int = 0,
     ) -> None:
+        if not isinstance(request_id, str):
+            raise ValueError(f"a request id is a string, got {type(request_id).__name__} {request_id!r}")
         if isinstance(prompt_token_ids, (str, bytes)) or not isinstance(prompt_token_ids, Sized):
             raise ValueError(f"request {request_id!r}: prompt_token_ids must be a sequence of token ids, "
                              f"got {type(prompt_token_ids).__name__}")
@@ -84,6 +91,14 @@ class Request:
         if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
             raise ValueError(f"request {request_id!r}: sampling_params must be a SamplingParams, "
                              f"got {type(sampling_params).__name__}")
+        if eos_token_id is not None and (isinstance(eos_token_id, bool) or not isinstance(eos_token_id, numbers.Integral)
+                                         or not 0 <= eos_token_id <= MAX_TOKEN_ID):
+            raise ValueError(f"request {request_id!r}: eos_token_id must be None or a token id, got {eos_token_id!r}")
+        try:
+            hash(namespace)
+        except TypeError:
+            raise ValueError(f"request {request_id!r}: namespace must be hashable (a string, say), "
+                             f"got {type(namespace).__name__}") from None
         self.request_id = request_id
         self.sampling_params = sampling_params or SamplingParams()
         self.eos_token_id = eos_token_id
@@ -97,8 +112,9 @@ class Request:
         except TypeError:
             raise ValueError(f"request {request_id!r}: token ids are integers, not "
                              f"{sorted({type(t).__name__ for t in prompt_token_ids})}") from None
-        if min(self.all_token_ids) < 0:
-            raise ValueError(f"request {request_id!r}: token ids are non-negative, got {min(self.all_token_ids)}")
+        if not 0 <= min(self.all_token_ids) <= max(self.all_token_ids) <= MAX_TOKEN_ID:
+            bad = min(self.all_token_ids) if min(self.all_token_ids) < 0 else max(self.all_token_ids)
+            raise ValueError(f"request {request_id!r}: token ids are non-negative integers below 2**63, got {bad}")
         self.num_prompt_tokens = len(self.all_token_ids)
         self.status = RequestStatus.WAITING
         # One block table per KV group (``kv_groups``); group 0's is ``block_ids``. In a

@@ -14,6 +14,7 @@ usage and fragmentation are kept per tag as well.
 """
 from __future__ import annotations
 
+import numbers
 from collections import Counter
 from typing import Iterable, Optional, Protocol, Sequence
 
@@ -125,8 +126,10 @@ class BlockPool:
 
         Raises ``NoFreeBlocksError`` (and changes nothing) if fewer are free or evictable.
         """
-        if not isinstance(num_blocks, int) or num_blocks < 0:
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
             raise ValueError(f"num_blocks must be an integer >= 0, got {num_blocks!r}")
+        if isinstance(tag, bool) or not isinstance(tag, numbers.Integral) or not 0 <= tag < self.num_tags:
+            raise ValueError(f"tag must be in [0, {self.num_tags}), got {tag!r}")
         if num_blocks > self.num_free_blocks:
             raise NoFreeBlocksError(
                 f"asked for {num_blocks} blocks, only {self.num_free_blocks} free of {self.num_blocks}"
@@ -138,8 +141,6 @@ class BlockPool:
                 # Cannot happen while the evictor keeps its contract (every cached-idle block
                 # is evictable); fail loudly rather than pop from an empty stack.
                 raise NoFreeBlocksError(f"the evictor released fewer than the {shortfall} idle blocks counted as free")
-        if not 0 <= tag < self.num_tags:
-            raise ValueError(f"tag must be in [0, {self.num_tags}), got {tag!r}")
         blocks = [self._free_stack.pop() for _ in range(num_blocks)]
         for b in blocks:
             self._ref_count[b] = 1

@@ -17,6 +17,8 @@ side (``prefix_hits``: matching, locking, host loads, offering filled blocks).
 """
 from __future__ import annotations
 
+import numbers
+
 from typing import TYPE_CHECKING, Optional, Sequence
 
 from kvpage.core.kv.block_pool import BlockPool
@@ -49,6 +51,10 @@ class KVCacheManager:
             raise ValueError("recurrent state cannot be rebuilt from cached KV blocks: state slots need "
                              "enable_prefix_caching off and no KV tiers")
         self.groups = groups_of_windows(windows)
+        if prefix_cache is not None and prefix_cache.pool is not pool:
+            raise ValueError("the prefix cache must cache blocks of the manager's own pool")
+        if pool.num_tags < len(self.groups):
+            raise ValueError(f"{len(self.groups)} KV groups need a pool with as many tags, got num_tags={pool.num_tags}")
         if offload is not None and len(self.groups) > 1:
             raise ValueError("the lower KV tiers keep one block table per request: they need a single KV group")
         self.pool = pool
@@ -93,6 +99,8 @@ class KVCacheManager:
         Returns False, changing nothing else, when the pool cannot supply the blocks (or,
         with state slots, a request without one finds none free).
         """
+        if isinstance(num_new_tokens, bool) or not isinstance(num_new_tokens, numbers.Integral) or num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be an integer >= 0, got {num_new_tokens!r}")
         state = self._state
         if state is not None and not state.has_room(request):
             return False

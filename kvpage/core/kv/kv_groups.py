@@ -74,9 +74,15 @@ class KVGroup:
 def groups_of_windows(windows: Sequence[Optional[int]]) -> tuple:
     """One layer-less ``KVGroup`` per window (what the block accounting needs); raises
     ``ValueError`` unless group 0 is full attention."""
+    if isinstance(windows, (str, bytes)) or not hasattr(windows, "__iter__"):
+        raise ValueError(f"windows must be a sequence of None or positive integers, got {windows!r}")
+    windows = tuple(windows)
+    for w in windows:
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w <= 0):
+            raise ValueError(f"a sliding window must be a positive integer (or None: full attention), got {w!r}")
     groups = tuple(KVGroup((), w) for w in windows)
     if not groups or groups[0].is_sliding:
-        raise ValueError(f"group 0 must be full attention, got windows {tuple(windows)}")
+        raise ValueError(f"group 0 must be full attention, got windows {windows}")
     return groups
 
 

@@ -167,6 +167,9 @@ class RadixCache:
         """
         if len(tokens) < len(block_ids) * self.block_size:
             raise ValueError(f"{len(block_ids)} full blocks need {len(block_ids) * self.block_size} tokens, got {len(tokens)}")
+        for block_id in block_ids[start_block:]:  # all checked first: a refused insert caches nothing
+            if self.pool.ref_count(block_id) == 0:
+                raise ValueError(f"block {block_id} must be in use to be cached")
         now = next(self._clock)
         resumed = self._resume_point(tokens, block_ids, namespace, start_block, bool(group_tables), now)
         if resumed is None:

@@ -90,6 +90,8 @@ class Scheduler:
         self.num_thrash_pins = 0  # requests pinned against further preemption
         self.num_steps = 0
         self._arrivals = itertools.count()  # arrival order of this scheduler's requests
+        # The step whose results update_from_output has yet to apply (one at a time).
+        self._unapplied: Optional[SchedulerOutput] = None
 
     # ------------------------------------------------------------------ intake
     def add_request(self, request: Request) -> None:
@@ -144,7 +146,13 @@ class Scheduler:
 
     # ------------------------------------------------------------------ the step
     def schedule(self) -> SchedulerOutput:
-        """Pick this step's work and build its metadata. Call ``update_from_output`` next."""
+        """Pick this step's work and build its metadata. Call ``update_from_output`` next (a
+        step that failed instead ends its requests, ``finish_requests``, before the next one);
+        scheduling again before that is a ``ValueError``: the tokens would be scheduled twice."""
+        pending = self._unapplied
+        if pending is not None and any(r.status is RequestStatus.RUNNING for r in pending.requests):
+            raise ValueError("the previous step's results were not applied: call update_from_output "
+                             "(or end its requests) before scheduling the next step")
         plan = StepPlan(self.config.max_num_batched_tokens)
         decodes, prefills = split_running(self.running)
         self._schedule_running(plan, decodes)
@@ -197,8 +205,10 @@ class Scheduler:
                                        self.kv.take_state_copies())
         self.num_steps += 1
         transfers = self.offload.take_step_transfers() if self.offload is not None else None
-        return SchedulerOutput(requests, counts, metadata, plan.preempted, plan.newly_cached[::-1],
-                               kv_transfers=transfers)
+        output = SchedulerOutput(requests, counts, metadata, plan.preempted, plan.newly_cached[::-1],
+                                 kv_transfers=transfers)
+        self._unapplied = output
+        return output
 
     def discard_step_cache(self, output: SchedulerOutput) -> int:
         """After a failed step: forget the cache entries it created, now that their holders ended.
@@ -242,17 +252,24 @@ class Scheduler:
         """Advance the step's requests; return those that finished (EOS, stop id, length).
 
         ``sampled_token_ids[j]`` belongs to ``output.metadata.sample_seq_indices[j]``.
-        ``fork_token_ids[j]`` gives the first tokens of the other samples of row ``j``'s
-        request (``n > 1``, at its first token): each is forked off the row's sequence,
-        sharing its blocks copy-on-write, and listed in ``output.forked[j]``.
-        Requests that ended while the step ran (aborted, failed) are skipped.
+        ``fork_token_ids[j]`` gives the first tokens of the other ``n - 1`` samples of row
+        ``j``'s request (``n > 1``, at its first token): each is forked off the row's
+        sequence, sharing its blocks copy-on-write, and listed in ``output.forked[j]``. A
+        request with ``n > 1`` forked neither here nor by ``fork_request`` yields one sample.
+        Requests that ended while the step ran (aborted, failed) are skipped. Each output is
+        applied once, the latest ``schedule``'s; anything else, or a bad token or fork, is a
+        ``ValueError`` that changes nothing.
         """
-        sampled = np.asarray(sampled_token_ids, dtype=np.int64).reshape(-1)
+        if output is not self._unapplied:
+            raise ValueError("this step output is not the latest schedule()'s, or was applied already")
+        tokens = _token_ids("sampled_token_ids", sampled_token_ids)
         seq_of_sample = output.metadata.sample_seq_indices
-        if sampled.shape[0] != seq_of_sample.shape[0]:
-            raise ValueError(f"expected {seq_of_sample.shape[0]} sampled tokens, got {sampled.shape[0]}")
+        if len(tokens) != seq_of_sample.shape[0]:
+            raise ValueError(f"expected {seq_of_sample.shape[0]} sampled tokens (one per "
+                             f"metadata.sample_seq_indices row), got {len(tokens)}")
+        forks = _check_forks(output, fork_token_ids or {})
+        self._unapplied = None
         row_of_seq = {seq: row for row, seq in enumerate(seq_of_sample.tolist())}
-        tokens = sampled.tolist()
         now = time.monotonic()
         finished: list[Request] = []
         sliding = bool(self.kv.sliding_groups)
@@ -265,8 +282,8 @@ class Scheduler:
             row = row_of_seq.get(i)
             if row is None:
                 continue  # a prefill chunk that produced no token
-            if fork_token_ids and row in fork_token_ids:
-                output.forked[row] = self._fork_samples(request, fork_token_ids[row], now, finished)
+            if row in forks:
+                output.forked[row] = self._fork_samples(request, forks[row], now, finished)
             self._append_token(request, tokens[row], now, finished)
         return finished
 
@@ -309,6 +326,8 @@ class Scheduler:
 
     def finish_request(self, request_id: str, reason: FinishReason, error: Optional[str] = None) -> Optional[Request]:
         """End a live request (stop string, abort, error); frees its blocks. Unknown ids return None."""
+        if not isinstance(reason, FinishReason):
+            raise ValueError(f"reason must be a FinishReason, got {reason!r}")
         request = self.requests.get(request_id)
         if request is None:
             return None
@@ -318,6 +337,8 @@ class Scheduler:
     def finish_requests(self, request_ids: Sequence[str], reason: FinishReason,
                         error: Optional[str] = None) -> list[Request]:
         """``finish_request`` for each id; returns the requests that were live."""
+        if isinstance(request_ids, (str, bytes)):
+            raise ValueError(f"request_ids must be a collection of ids, not one id ({request_ids!r})")
         ended = (self.finish_request(rid, reason, error) for rid in request_ids)
         return [r for r in ended if r is not None]
 
@@ -392,3 +413,35 @@ class Scheduler:
         assert len(self.running) <= self.config.max_num_seqs
         if self.state_slots is not None:
             check_state_holders(self.state_slots, self.requests.values())
+
+
+def _token_ids(name: str, values) -> list[int]:
+    """``values`` (one dimension) as a list of token ids; ``ValueError`` unless integers >= 0."""
+    array = np.asarray(values)
+    if array.ndim != 1 or (array.size and (array.dtype.kind not in "iu" or array.min() < 0)):
+        raise ValueError(f"{name} must be a sequence of token ids (integers >= 0), got {values!r}")
+    return array.astype(np.int64).tolist()
+
+
+def _check_forks(output: SchedulerOutput, fork_token_ids: Mapping[int, Sequence[int]]) -> dict[int, list[int]]:
+    """``fork_token_ids`` checked against the step: only a running row whose request draws
+    its first token with ``n > 1`` forks, into exactly ``n - 1`` samples."""
+    if not isinstance(fork_token_ids, Mapping):
+        raise ValueError(f"fork_token_ids must map sampled rows to token ids, got {type(fork_token_ids).__name__}")
+    rows = output.metadata.sample_seq_indices.tolist()
+    forks = {}
+    for row, request in enumerate(output.requests[i] for i in rows):
+        n = request.sampling_params.n
+        if row not in fork_token_ids or request.status is not RequestStatus.RUNNING:
+            continue  # (a request that ended while the step ran forks nothing)
+        if n == 1 or request.num_output_tokens:
+            raise ValueError(f"fork_token_ids[{row}]: request {request.request_id!r} (n={n}) forks only "
+                             "at the first token of a request with n > 1")
+        forks[row] = _token_ids(f"fork_token_ids[{row}]", fork_token_ids[row])
+        if len(forks[row]) != n - 1:
+            raise ValueError(f"fork_token_ids[{row}]: request {request.request_id!r} has n={n}, "
+                             f"so {n - 1} other samples, got {len(forks[row])} tokens")
+    unknown = set(fork_token_ids) - set(range(len(rows)))
+    if unknown:
+        raise ValueError(f"fork_token_ids names rows {sorted(unknown, key=str)} of {len(rows)} sampled rows")
+    return forks
