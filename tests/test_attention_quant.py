@@ -184,6 +184,55 @@ def test_bf16_queries_match_the_reference(name):
         np.testing.assert_allclose(got.float().numpy(), want, rtol=2e-2, atol=2e-2, err_msg=label)
 
 
+def _every_fp8_code_case(name: str, head_dim: int, context: int = 48):
+    """One decode row over a cache whose K rows hold finite codes of the format drawn at
+    random, every third row only subnormal codes; the row exponents put both kinds of row
+    at values of about 1, so a wrong subnormal would move the scores. V: small codes."""
+    rng = np.random.default_rng(7)
+    fmt = cache_format(name)
+    largest_exponent = 0xF if name == "fp8_e4m3" else 0x1F
+    table = kv_quant.fp8_table(name)
+    finite = np.flatnonzero(np.isfinite(table)).astype(np.uint8)
+    subnormal = finite[(finite >> (3 if name == "fp8_e4m3" else 2)) & largest_exponent == 0]
+    # Row exponents that put both kinds of row at values of about 1 (E4M3 codes reach 448,
+    # its subnormals 7 * 2^-9; E5M2 57344 and 3 * 2^-16).
+    subnormal_exponent, normal_exponents = (9, (-9, -6)) if name == "fp8_e4m3" else (16, (-17, -14))
+    num_blocks = -(-context // BS) + 1
+    kc = np.zeros(fmt.kv_format.buffer_shape(num_blocks, BS, KV_HEADS, head_dim), np.uint8)
+    vc = np.zeros_like(kc)
+    (k_codes, k_scales), (v_codes, v_scales) = (kv_quant.block_views(c, fmt.kv_format, BS, KV_HEADS, head_dim)
+                                                for c in (kc, vc))
+    for t in range(context):
+        for h in range(KV_HEADS):
+            pool = subnormal if t % 3 == 0 else finite
+            k_codes[1 + t // BS, t % BS, h] = rng.choice(pool, head_dim)
+            exponent = subnormal_exponent if t % 3 == 0 else rng.integers(*normal_exponents)
+            k_scales[1 + t // BS, t % BS, h] = np.int8(exponent).view(np.uint8)
+            v_codes[1 + t // BS, t % BS, h] = rng.choice(finite[np.abs(table[finite]) < 8], head_dim)
+    tables = np.arange(1, num_blocks, dtype=np.int32)[None]
+    q = torch.randn(1, HEADS, head_dim).bfloat16()
+    qsl, seq_lens = np.array([0, 1], np.int32), np.array([context], np.int32)
+    want = paged_attention_reference(q.float().numpy(), kc, vc, qsl, seq_lens, tables, SCALE, cache_format=fmt)
+    return fmt, q, kc, vc, qsl, seq_lens, tables, want
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_bf16_queries_read_every_fp8_code(name, head_dim):
+    """bf16 queries over fp8 K rows of every finite code, subnormals included, at both head
+    sizes of the transposed scores: a code widened wrongly moves the output well past 1e-2."""
+    fmt, q, kc, vc, qsl, seq_lens, tables, want = _every_fp8_code_case(name, head_dim)
+    choices = [("torch", TORCH)]
+    if native_cpu.library() is not None and native_cpu.decode_supported(head_dim, HEADS, KV_HEADS, "bfloat16",
+                                                                         cache_format=name):
+        choices.append(("native", CPUKernelChoice()))
+    for label, choice in choices:
+        got = paged_attention_cpu(q, torch.from_numpy(kc), torch.from_numpy(vc), qsl, seq_lens, tables, SCALE,
+                                  decode_backend=choice.decode_backend, prefill_backend=choice.prefill_backend,
+                                  cache_format=fmt)
+        np.testing.assert_allclose(got.float().numpy(), want, rtol=1e-2, atol=1e-2, err_msg=label)
+
+
 @pytest.mark.parametrize("variant", [{"attention_chunk": 8}, {"alibi_slopes": True}])
 def test_chunked_attention_and_alibi_over_quantized_caches(variant):
     case = Case("int8", *MIXED)
