@@ -142,4 +142,4 @@ def test_check_names_the_reason_for_a_refused_model(saved_models):
 def test_check_of_a_folder_that_is_no_model_is_one_line(tmp_path):
     out = _kvpage("check", str(tmp_path))
     assert out.returncode == 1 and out.stdout == ""
-    assert out.stderr.strip().count("\n") == 0 and "no config.json" in out.stderr
+    assert out.stderr.strip().count("\n") == 0 and "(with config.json)" in out.stderr

@@ -165,9 +165,10 @@ def _int_in(text: str, low: int, high: Optional[int], expected: str, out_of_rang
 
 
 class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows each flag's default after its help, except a ``None`` default (the help says it)."""
+    """Shows each flag's default after its help, except where the help says it already (a
+    ``None`` default, or a help that ends with its own ``(default: ...)``)."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
-        if action.default is None:
+        if action.default is None or (action.help or "").rstrip().endswith(")") and "(default:" in (action.help or ""):
             return action.help or ""
         return super()._get_help_string(action)

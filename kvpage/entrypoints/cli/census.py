@@ -33,7 +33,8 @@ def add_census_parser(sub) -> argparse.ArgumentParser:
 def add_check_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("check", help="does kvpage serve this local model exactly? (a short greedy probe "
                        "against HF generate)")
-    p.add_argument("model", help="local Hugging Face model folder (config.json and weights)")
+    p.add_argument("model", help="local Hugging Face model folder (config.json and weights) or an alias "
+                   "(smollm2-135m: the embedded default model)")
     p.add_argument("--max-tokens", type=int, default=6, help="greedy tokens per probe prompt")
     p.add_argument("--json", type=Path, default=None, help="also write the report here (JSON)")
     p.set_defaults(func=run_check_command, subparser=p)

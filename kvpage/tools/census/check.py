@@ -8,7 +8,6 @@ modes of ``compare.MODES``. The verdict is ``exact``, ``refused`` (kvpage's reas
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from kvpage.tools.census.compare import census_prompts, compare_with_hf, describe_difference
@@ -81,9 +80,9 @@ def _load(path: str) -> tuple[Any, Any]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    folder = Path(path).expanduser()
-    if not (folder / "config.json").is_file():
-        raise ValueError(f"{path}: not a Hugging Face model folder (no config.json)")
+    from kvpage.platform.model_registry import resolve_model_path
+
+    folder = resolve_model_path(path)  # an alias, or a folder with config.json; else ValueError
     try:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     except Exception as exc:  # noqa: BLE001 - any loading failure is the user's to fix
