@@ -318,3 +318,18 @@ def test_sampler_greedy_tokens_without_the_library(monkeypatch):
     assert torch.equal(_row_max_argmax(x.t().contiguous().t())[1], native)
     monkeypatch.setattr(native_cpu, "library", lambda: None)
     assert torch.equal(_row_max_argmax(x)[1], native)
+
+
+def test_a_cpu_engine_loads_the_kernels_at_start_up():
+    """The library is built (or loaded) while the engine starts, not inside the first request:
+    a cold build is about 15 s of g++ on two cores."""
+    from kvpage import LLM
+    from tiny_models import char_tokenizer, tiny_model
+
+    native_cpu.library.cache_clear()
+    llm = LLM(tiny_model("llama"), tokenizer=char_tokenizer(), block_size=4, num_kv_blocks=16, max_model_len=32,
+              exact=True)
+    try:
+        assert native_cpu.library.cache_info().currsize == 1  # before any generate
+    finally:
+        llm.restore()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -247,8 +248,10 @@ def build_hf_engine(model: torch.nn.Module, tokenizer: Any, config: EngineConfig
     num_threads = configure_threads(config.num_threads)
     runner = HFModelRunner(model, onednn_linears=config.uses_onednn, linear_compute_dtype=config.linear_compute_dtype,
                            row_tiled_linears=config.batch_invariant)
+    native_build = None
     if runner.device.type == "cpu":
         keep_freed_memory()
+        native_build = _start_native_kernel_build()
     if runner.linear_compute is not None:
         log.info("oneDNN linears compute in %s (%s)", str(runner.linear_compute[0]).removeprefix("torch."),
                  runner.linear_compute[1])
@@ -262,6 +265,8 @@ def build_hf_engine(model: torch.nn.Module, tokenizer: Any, config: EngineConfig
         config = stateful_config(runner, config)
         spec, scheduler = _bind_kv_cache(runner, config, max_model_len)
         _compile(runner, config, fallback_threads)
+        if native_build is not None:
+            native_build.join()
         _capture_graphs(runner, config, max_model_len)
         kv_tiers = open_kv_tiers(scheduler.tiers, config, spec, runner.kv_cache, model)
         publisher = _kv_event_publisher(config, scheduler)
@@ -273,6 +278,17 @@ def build_hf_engine(model: torch.nn.Module, tokenizer: Any, config: EngineConfig
     except BaseException:
         runner.restore()
         raise
+
+
+def _start_native_kernel_build() -> threading.Thread:
+    """Build (or load from the cache) the native CPU kernels in a thread while the model
+    compiles: left to the first attention call, a cold build (about 15 s of g++ on two
+    cores) would stall the first request instead of start-up."""
+    from kvpage.kernels import native_cpu
+
+    thread = threading.Thread(target=native_cpu.library, name="kvpage-native-build", daemon=True)
+    thread.start()
+    return thread
 
 
 def _engine_threads(runner: HFModelRunner, config: EngineConfig, num_threads: int,

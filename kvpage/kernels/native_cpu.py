@@ -39,6 +39,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 from typing import Optional
 
@@ -116,9 +117,19 @@ def variant() -> Optional[str]:
     return None
 
 
+# One build at a time: the engine builds the library in a thread of its own while the model
+# compiles, and a caller on another thread waits for that build rather than starting one.
+_BUILD_LOCK = threading.Lock()
+
+
 @functools.lru_cache(maxsize=None)
 def library() -> Optional[ctypes.CDLL]:
     """The loaded kernels, or None where they are unavailable (see the module docstring)."""
+    with _BUILD_LOCK:
+        return _load_library()
+
+
+def _load_library() -> Optional[ctypes.CDLL]:
     name = variant()
     if name is None:
         return None
