@@ -128,7 +128,8 @@ class CompiledForward:
         from kvpage.platform.threads import set_compute_threads
 
         start = time.perf_counter()
-        log.info("compiling the model forward with torch.compile (inductor); this takes a while on first use")
+        log.info("compiling the model forward with torch.compile (inductor), or loading it from the compile "
+                 "cache; a first start takes a while")
         counts = [torch.get_num_threads(), *other_thread_counts]
         shapes = [(c, n) for c in counts for n in WARM_UP_TOKENS]
         # Python floats (the layers' attention scales) stay constants of the graph: traced as
