@@ -1,7 +1,8 @@
 """Stateful fuzz of the scheduler over a tiny pool (constant memory pressure).
 
 Random interleavings of add / step (a fake model sampling random tokens) / finish / abort /
-fork / evict, for every combination of prefix caching, chunked prefill and policy, with
+fork / evict / misuse (bad input and protocol mistakes, which must be ValueErrors that
+change nothing), for every combination of prefix caching, chunked prefill and policy, with
 hybrid KV groups (a full-attention group and two sliding-window groups in one pool), and
 with recurrent-state slots (a fake state per slot replays which tokens it has absorbed:
 every step must find a resumed sequence's state covering exactly its computed tokens,
@@ -40,7 +41,7 @@ CONFIGS += [(prefix, chunked, "fcfs", HYBRID) for prefix, chunked in itertools.p
 STATE_CONFIGS = [(False, chunked, policy, (None,), True) for chunked in (True, False) for policy in ("fcfs", "priority")]
 MIN_TOTAL_OPS = 10_000
 
-totals = {"ops": 0, "steps": 0, "preemptions": 0, "hits": 0, "forks": 0, "copies": 0, "aborts": 0, "drained": 0,
+totals = {"misuses": 0, "ops": 0, "steps": 0, "preemptions": 0, "hits": 0, "forks": 0, "copies": 0, "aborts": 0, "drained": 0,
           "state_resumes": 0, "state_copies": 0}
 
 
@@ -68,12 +69,16 @@ def machine_for(prefix: bool, chunked: bool, policy: str, windows: tuple = (None
             self.admitted: list = []
             self.rng = random.Random(0)
             self.states: dict[int, list[int]] = {}  # slot -> the tokens its fake state has absorbed
+            self.last_out = None  # the last step output applied
 
         # ------------------------------------------------------------------ helpers
         def live(self) -> list[str]:
             return sorted(self.s.requests)
 
-        def run_step(self, seed: int) -> None:
+        def run_step(self, seed: int, misuse: str = "") -> None:
+            """One step with random tokens; ``misuse`` first makes a protocol mistake
+            (scheduling again before applying, bad sampled tokens, forks of a request that
+            has none) that must be a ValueError and change nothing."""
             s = self.s
             running_before = {id(r) for r in s.running}
             out = s.schedule()
@@ -113,7 +118,19 @@ def machine_for(prefix: bool, chunked: bool, policy: str, windows: tuple = (None
             totals["steps"] += 1
             rng = random.Random(seed)
             tokens = [rng.randrange(VOCAB) for _ in range(meta.sample_seq_indices.shape[0])]
+            if misuse and out.requests:
+                computed = [r.num_computed_tokens for r in out.requests]
+                with pytest.raises(ValueError):
+                    if misuse == "schedule again":
+                        s.schedule()
+                    elif misuse == "bad tokens":
+                        s.update_from_output(out, [-1] + tokens[1:] if tokens else [3])
+                    else:  # forks for a row whose request samples once (or a row that does not exist)
+                        s.update_from_output(out, tokens, fork_token_ids={0: [1, 2]})
+                assert [r.num_computed_tokens for r in out.requests] == computed
+                totals["misuses"] += 1
             s.update_from_output(out, tokens)
+            self.last_out = out
 
         def check_state_step(self, out) -> None:
             """Replay the step on fake states: forks' copies first, then each sequence
@@ -192,6 +209,34 @@ def machine_for(prefix: bool, chunked: bool, policy: str, windows: tuple = (None
             rid = data.draw(st.sampled_from(self.live()))
             assert self.s.abort(rid) and not self.s.abort(rid)
             totals["aborts"] += 1
+
+        @rule(kind=st.sampled_from(["token id", "namespace", "eos", "stale output", "reason"]))
+        def misuse(self, kind):
+            """Bad input and protocol mistakes are ValueErrors that change nothing (the
+            invariants run after this rule as after any other)."""
+            self.count_op()
+            s, rid = self.s, f"x{next(self.ids)}"
+            live = self.live()
+            with pytest.raises(ValueError):
+                if kind == "token id":
+                    s.make_request(rid, [1, 2**63])
+                elif kind == "namespace":
+                    s.make_request(rid, [1, 2], None, None, ["unhashable"])
+                elif kind == "eos":
+                    s.make_request(rid, [1, 2], SamplingParams(max_tokens=1), eos_token_id=-1)
+                elif kind == "stale output" and self.last_out is not None:
+                    s.update_from_output(self.last_out, [1] * self.last_out.metadata.sample_seq_indices.shape[0])
+                elif live:
+                    s.finish_request(live[0], None)
+                else:
+                    raise ValueError("nothing to misuse")
+            assert self.live() == live
+            totals["misuses"] += 1
+
+        @rule(seed=st.integers(0, 2**31 - 1), kind=st.sampled_from(["schedule again", "bad tokens", "bad forks"]))
+        def misused_step(self, seed, kind):
+            self.count_op()
+            self.run_step(seed, kind)
 
         @rule()
         def abort_unknown(self):
@@ -285,7 +330,7 @@ def test_scheduler_state_machine_all_configs():
     assert totals["ops"] >= MIN_TOTAL_OPS, totals
     # The fuzz must actually reach the interesting paths.
     assert totals["preemptions"] > 0 and totals["forks"] > 0 and totals["copies"] > 0, totals
-    assert totals["hits"] > 0 and totals["aborts"] > 0, totals
+    assert totals["hits"] > 0 and totals["aborts"] > 0 and totals["misuses"] > 0, totals
     assert totals["drained"] >= len(CONFIGS) * EXAMPLES // 2, totals
 
 
