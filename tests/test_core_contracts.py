@@ -175,3 +175,18 @@ def test_endings_are_checked():
     with pytest.raises(ValueError, match="collection of ids"):
         s.finish_requests("abc", FinishReason.ABORT)
     assert s.finish_requests(["abc"], FinishReason.ABORT)[0].finish_reason is FinishReason.ABORT
+
+
+def test_step_metadata_needs_the_slots_it_maps():
+    from kvpage.core.sched.metadata import build_step_metadata
+
+    request = Request("r", [1, 2, 3, 4, 5])
+    with pytest.raises(ValueError, match="allocate_slots first"):
+        build_step_metadata([request], [5], block_size=4)
+    pool = BlockPool(8, 4)
+    manager = KVCacheManager(pool)
+    assert manager.allocate_slots(request, 5)
+    assert build_step_metadata([request], [5], block_size=4).slot_mapping.shape == (5,)
+    with pytest.raises(ValueError, match="at least one token"):
+        build_step_metadata([request], [0], block_size=4)
+

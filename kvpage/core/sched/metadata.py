@@ -200,12 +200,19 @@ def build_step_metadata(
     the block tables of ``num_groups`` KV groups.
 
     ``requests[i].num_computed_tokens`` must still be the value *before* this step, and
-    its block table must already cover ``num_computed_tokens + num_new_tokens[i]`` slots.
+    its block table must already cover ``num_computed_tokens + num_new_tokens[i]`` slots;
+    otherwise (or for a count below 1) this raises ``ValueError``.
     """
     num_seqs = len(requests)
     query_lens = np.asarray(num_new_tokens, dtype=np.int64).reshape(num_seqs)
     computed = _per_seq(requests, "num_computed_tokens")
     seq_lens = computed + query_lens
+    covered = np.fromiter((len(r.block_tables[0]) for r in requests), dtype=np.int64, count=num_seqs) * block_size
+    if num_seqs and (query_lens.min() < 1 or (covered < seq_lens).any()):
+        bad = int(np.flatnonzero((query_lens < 1) | (covered < seq_lens))[0])
+        raise ValueError(f"request {requests[bad].request_id!r}: {int(query_lens[bad])} new tokens after "
+                         f"{int(computed[bad])} need at least one token and slots for {int(seq_lens[bad])} tokens; "
+                         f"its blocks hold {int(covered[bad])} (allocate_slots first)")
     query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
     np.cumsum(query_lens, out=query_start_loc[1:])
     seq_of_token = np.repeat(np.arange(num_seqs), query_lens)
