@@ -40,6 +40,20 @@ def _require_bool(name: str, value: object) -> None:
         raise ValueError(f"{name} must be True or False, got {value!r}")
 
 
+def check_windows(windows: object) -> tuple:
+    """Each KV group's sliding window as a tuple: group 0 full attention (``None``), every
+    other ``None`` or a positive integer; ``ValueError`` otherwise."""
+    if isinstance(windows, (str, bytes)) or not hasattr(windows, "__iter__"):
+        raise ValueError(f"group_windows must be a sequence of windows (None or a positive integer), got {windows!r}")
+    windows = tuple(windows)
+    if not windows or windows[0] is not None:
+        raise ValueError(f"group_windows must start with a full-attention group (None), got {windows!r}")
+    for window in windows[1:]:
+        if window is not None:
+            _require_positive_int("a sliding window", window)
+    return windows
+
+
 def _check_max_step_ms(value: object, enable_chunked_prefill: bool) -> None:
     if value is None:
         return
@@ -93,16 +107,8 @@ class CacheConfig:
             raise ValueError("the KV tiers keep prefix-cache blocks: they need enable_prefix_caching")
         if self.num_disk_blocks and not self.num_host_blocks:
             raise ValueError("the disk tier reads through host memory: num_disk_blocks needs num_host_blocks")
-        if isinstance(self.group_windows, (str, bytes)) or not hasattr(self.group_windows, "__iter__"):
-            raise ValueError(f"group_windows must be a sequence of windows (None or a positive integer), "
-                             f"got {self.group_windows!r}")
-        windows = tuple(self.group_windows)
+        windows = check_windows(self.group_windows)
         object.__setattr__(self, "group_windows", windows)
-        if not windows or windows[0] is not None:
-            raise ValueError(f"group_windows must start with a full-attention group (None), got {windows!r}")
-        for window in windows[1:]:
-            if window is not None:
-                _require_positive_int("a sliding window", window)
         if len(windows) > 1 and self.num_host_blocks:
             raise ValueError("the lower KV tiers need a single KV group (disable the hybrid KV cache manager)")
 

@@ -112,8 +112,9 @@ class Request:
         except TypeError:
             raise ValueError(f"request {request_id!r}: token ids are integers, not "
                              f"{sorted({type(t).__name__ for t in prompt_token_ids})}") from None
-        if not 0 <= min(self.all_token_ids) <= max(self.all_token_ids) <= MAX_TOKEN_ID:
-            bad = min(self.all_token_ids) if min(self.all_token_ids) < 0 else max(self.all_token_ids)
+        lowest, highest = min(self.all_token_ids), max(self.all_token_ids)
+        if lowest < 0 or highest > MAX_TOKEN_ID:
+            bad = lowest if lowest < 0 else highest
             raise ValueError(f"request {request_id!r}: token ids are non-negative integers below 2**63, got {bad}")
         self.num_prompt_tokens = len(self.all_token_ids)
         self.status = RequestStatus.WAITING

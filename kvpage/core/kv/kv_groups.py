@@ -32,6 +32,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from kvpage.core.config import check_windows
+
 #: When every kind's layer count is within this factor of the smallest, one group per kind
 #: (padding the shorter ones) wastes less than splitting every kind into many small groups.
 _NEAR_EQUAL_COUNTS = 1.25
@@ -72,18 +74,9 @@ class KVGroup:
 
 
 def groups_of_windows(windows: Sequence[Optional[int]]) -> tuple:
-    """One layer-less ``KVGroup`` per window (what the block accounting needs); raises
-    ``ValueError`` unless group 0 is full attention."""
-    if isinstance(windows, (str, bytes)) or not hasattr(windows, "__iter__"):
-        raise ValueError(f"windows must be a sequence of None or positive integers, got {windows!r}")
-    windows = tuple(windows)
-    for w in windows:
-        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w <= 0):
-            raise ValueError(f"a sliding window must be a positive integer (or None: full attention), got {w!r}")
-    groups = tuple(KVGroup((), w) for w in windows)
-    if not groups or groups[0].is_sliding:
-        raise ValueError(f"group 0 must be full attention, got windows {windows}")
-    return groups
+    """One layer-less ``KVGroup`` per window (what the block accounting needs); the windows
+    as ``CacheConfig.group_windows`` takes them (``check_windows``), else ``ValueError``."""
+    return tuple(KVGroup((), w) for w in check_windows(windows))
 
 
 def blocks_per_request(groups: Sequence[KVGroup], num_tokens: int, block_size: int, chunk_tokens: int = 1) -> int:

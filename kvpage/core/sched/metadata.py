@@ -208,8 +208,9 @@ def build_step_metadata(
     computed = _per_seq(requests, "num_computed_tokens")
     seq_lens = computed + query_lens
     covered = np.fromiter((len(r.block_tables[0]) for r in requests), dtype=np.int64, count=num_seqs) * block_size
-    if num_seqs and (query_lens.min() < 1 or (covered < seq_lens).any()):
-        bad = int(np.flatnonzero((query_lens < 1) | (covered < seq_lens))[0])
+    short = (query_lens < 1) | (covered < seq_lens)
+    if short.any():
+        bad = int(np.flatnonzero(short)[0])
         raise ValueError(f"request {requests[bad].request_id!r}: {int(query_lens[bad])} new tokens after "
                          f"{int(computed[bad])} need at least one token and slots for {int(seq_lens[bad])} tokens; "
                          f"its blocks hold {int(covered[bad])} (allocate_slots first)")

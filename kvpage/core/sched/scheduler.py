@@ -425,23 +425,25 @@ def _token_ids(name: str, values) -> list[int]:
 
 def _check_forks(output: SchedulerOutput, fork_token_ids: Mapping[int, Sequence[int]]) -> dict[int, list[int]]:
     """``fork_token_ids`` checked against the step: only a running row whose request draws
-    its first token with ``n > 1`` forks, into exactly ``n - 1`` samples."""
+    its first token with ``n > 1`` forks, into exactly ``n - 1`` samples. Only the rows
+    given are looked at (most steps fork nothing)."""
     if not isinstance(fork_token_ids, Mapping):
         raise ValueError(f"fork_token_ids must map sampled rows to token ids, got {type(fork_token_ids).__name__}")
-    rows = output.metadata.sample_seq_indices.tolist()
+    seq_of_row = output.metadata.sample_seq_indices.tolist()
+    unknown = [row for row in fork_token_ids if row not in range(len(seq_of_row))]
+    if unknown:
+        raise ValueError(f"fork_token_ids names rows {sorted(unknown, key=str)} of {len(seq_of_row)} sampled rows")
     forks = {}
-    for row, request in enumerate(output.requests[i] for i in rows):
-        n = request.sampling_params.n
-        if row not in fork_token_ids or request.status is not RequestStatus.RUNNING:
+    for row, tokens in fork_token_ids.items():
+        request = output.requests[seq_of_row[row]]
+        if request.status is not RequestStatus.RUNNING:
             continue  # (a request that ended while the step ran forks nothing)
+        n = request.sampling_params.n
         if n == 1 or request.num_output_tokens:
             raise ValueError(f"fork_token_ids[{row}]: request {request.request_id!r} (n={n}) forks only "
                              "at the first token of a request with n > 1")
-        forks[row] = _token_ids(f"fork_token_ids[{row}]", fork_token_ids[row])
+        forks[row] = _token_ids(f"fork_token_ids[{row}]", tokens)
         if len(forks[row]) != n - 1:
             raise ValueError(f"fork_token_ids[{row}]: request {request.request_id!r} has n={n}, "
                              f"so {n - 1} other samples, got {len(forks[row])} tokens")
-    unknown = set(fork_token_ids) - set(range(len(rows)))
-    if unknown:
-        raise ValueError(f"fork_token_ids names rows {sorted(unknown, key=str)} of {len(rows)} sampled rows")
     return forks

@@ -169,6 +169,6 @@ class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     ``None`` default, or a help that ends with its own ``(default: ...)``)."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
-        if action.default is None or (action.help or "").rstrip().endswith(")") and "(default:" in (action.help or ""):
+        if action.default is None or "(default:" in (action.help or ""):
             return action.help or ""
         return super()._get_help_string(action)
