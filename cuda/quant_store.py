@@ -7,18 +7,20 @@ bytes written for a row equal ``kv_quant.quantize_rows`` of that row widened to 
 byte for byte (``quant_math`` spells out the arithmetic).
 
 One thread quantizes one (token, head) row of K and the same row of V: the row's absmax
-(or per-group min/max) is a sequential loop over its ``head_dim`` values, then a second
-pass writes the codes. Rows are independent (scales are per token and head), so no thread
+(or per-group min/max, then int4's range search over the group in local arrays) is a
+sequential loop over its ``head_dim`` values, then a second pass writes the codes. Rows are independent (scales are per token and head), so no thread
 ever reads another's output. Built lazily (``quant_store_kernel``); importing compiles nothing.
 """
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 
 # Module-level so the simulator can swap ``cuda`` in the kernels' globals.
 from numba import cuda, float32, int32, int64
 
 from kvpage.core.kv_formats import KVFormat, int4_group
+from kvpage.kernels import kv_quant
 
 from .quant_math import fp8_codec, half_round, pow2, rint_even
 
@@ -66,9 +68,89 @@ def _int8_row(head_dim: int):
     return store_row
 
 
+def _int4_grid(group: int):
+    """``grid(x, t, h, g0, lo, hi)``: ``(low, scale)`` before their float16 rounding for the
+    group of ``x[t, h, g0:g0 + group]`` (min ``lo``, max ``hi``): ``kv_quant.int4_ranges``,
+    integer sums and one float32 operation at a time (no ``a * b + c``, which the GPU may fuse)."""
+    G, UNIT = group, 1 << 16
+    STARTS, FITS = kv_quant.INT4_STARTS, kv_quant.INT4_FITS
+    PLAIN_S = (32 * UNIT + 15) // 30
+
+    @cuda.jit(device=True, inline=True)
+    def fit_codes(sixteen, S, M, l):
+        reciprocal = float32(1.0) / float32(S)
+        mf = float32(M)
+        error = int64(0)
+        for i in range(G):
+            c = int32(min(max(rint_even((float32(sixteen[i]) - mf) * reciprocal), float32(0.0)), float32(15.0)))
+            l[i] = c
+            e = int64(sixteen[i]) - M - int64(c) * S
+            error += e * e
+        return error
+
+    @cuda.jit(device=True, inline=True)
+    def grid(x, t, h, g0, lo, hi):
+        span = hi - lo
+        low = lo
+        scale = span / float32(15.0)
+        inverse = float32(16 * UNIT) / span
+        if span > float32(0.0) and math.isfinite(span) and math.isfinite(inverse):
+            place = cuda.local.array(G, int32)
+            sixteen = cuda.local.array(G, int32)
+            l = cuda.local.array(G, int32)
+            ST = int64(0)
+            for i in range(G):
+                p = int32(rint_even((float32(x[t, h, g0 + i]) - lo) / span * float32(UNIT)))
+                place[i] = p
+                sixteen[i] = 16 * p
+                ST += p
+            best_S = int64(PLAIN_S)
+            best_M = int64(0)
+            best = fit_codes(sixteen, best_S, best_M, l)
+            refined = False
+            for start in STARTS:
+                for i in range(G):
+                    y = rint_even(float32(place[i]) * float32(start) / float32(2 * UNIT))
+                    l[i] = int32(min(max(y, float32(0.0)), float32(15.0)))
+                valid = True
+                S = int64(1)
+                M = int64(0)
+                error = int64(0)
+                for _ in range(FITS):
+                    if valid:
+                        Sl = int64(0)
+                        Sll = int64(0)
+                        SlT = int64(0)
+                        for i in range(G):
+                            Sl += l[i]
+                            Sll += l[i] * l[i]
+                            SlT += l[i] * place[i]
+                        den = G * Sll - Sl * Sl
+                        num = G * SlT - Sl * ST
+                        valid = den > 0 and num > 0
+                        if valid:
+                            S = int64(rint_even(float32(16 * num) / float32(den)))
+                            M = int64(rint_even(float32(16 * (ST * den - num * Sl)) / float32(G * den)))
+                            valid = S >= 1 and S < (1 << 22) and abs(M) < (1 << 22)
+                            if valid:
+                                error = fit_codes(sixteen, S, M, l)
+                if valid and error < best:
+                    best = error
+                    best_S = S
+                    best_M = M
+                    refined = True
+            if refined:
+                low = lo + float32(best_M) / inverse
+                scale = float32(best_S) / inverse
+        return low, scale
+
+    return grid
+
+
 def _int4_row(head_dim: int):
     D, G = head_dim, int4_group(head_dim)
     NG, CB = D // G, D // 2
+    grid = _int4_grid(G)
 
     @cuda.jit(device=True, inline=True)
     def code(xv, low, s):
@@ -90,8 +172,9 @@ def _int4_row(head_dim: int):
                 hi = xv if xv >= hi else hi
             lo = lo + float32(0.0)  # -0.0 -> +0.0, as kv_quant does: which signed zero min/max pick is order-dependent
             hi = hi + float32(0.0)
-            low_bits, low = half_round(lo)
-            scale_bits, s = half_round((hi - lo) / float32(15.0))
+            grid_low, grid_scale = grid(x, t, h, g * G, lo, hi)
+            low_bits, low = half_round(grid_low)
+            scale_bits, s = half_round(grid_scale)
             at = rows * CB + (row * NG + g) * 4  # (scale, min) as two float16s per group
             cache[blk, at] = scale_bits & 255
             cache[blk, at + 1] = (scale_bits >> 8) & 255

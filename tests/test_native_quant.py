@@ -139,7 +139,7 @@ def edge_rows(fmt: str, head_dim: int) -> np.ndarray:
     if fmt == "int8":  # absmax 127: s = 1, so x / s = x exactly and the halves are ties
         out.append(np.where(ramp % 2 == 0, 127.0, (ramp - 64) / 2).astype(np.float32))
         out.append(np.where(ramp == 0, -127.0, -(ramp % 9) - 0.5).astype(np.float32))
-    elif fmt == "int4":  # per group min 0, max 15: s = 1, low = 0; halves are ties
+    elif fmt == "int4":  # min 0, max 15: on the plain grid (s = 1, low = 0) halves are ties
         row = (ramp % 16) + np.where(ramp % 3 == 0, 0.5, 0.0)
         row[::16] = 0.0
         row[1::16] = 15.0
@@ -170,6 +170,56 @@ def test_store_rounds_edge_values_as_the_reference(fmt, head_dim):
     got_codes, got_scales = stored_rows(fmt, cache, shape, slots)
     np.testing.assert_array_equal(got_codes, codes)
     np.testing.assert_array_equal(got_scales, scales)
+
+
+def int4_groups(rng, count: int, head_dim: int) -> np.ndarray:
+    """float32 ``[count, head_dim]`` rows of the shapes int4's range search meets: normal,
+    heavy-tailed, uniform, a few levels, one outlier, a ramp, and constant groups."""
+    kinds = [lambda: rng.standard_normal(head_dim),
+             lambda: rng.standard_t(2, head_dim),
+             lambda: rng.uniform(-1, 1, head_dim),
+             lambda: rng.integers(-2, 3, head_dim) * 0.375,
+             lambda: np.where(np.arange(head_dim) == rng.integers(head_dim), 40.0, rng.standard_normal(head_dim)),
+             lambda: np.linspace(-3, 5, head_dim),
+             lambda: np.full(head_dim, rng.standard_normal())]
+    out = [kinds[i % len(kinds)]() * np.exp2(rng.uniform(-12, 6)) for i in range(count)]
+    return np.stack(out).astype(np.float32)
+
+
+@pytest.mark.parametrize("head_dim", [64, 80, 256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=name_of)
+def test_int4_range_search_matches_the_reference_on_many_groups(head_dim, dtype):
+    """The least-squares search (``kv_quant.int4_ranges``) over 700 rows of every shape: the
+    native store picks the reference's grid in every group, bit for bit."""
+    x = torch.from_numpy(int4_groups(np.random.default_rng(head_dim), 700, head_dim)).to(dtype)[:, None, :]
+    shape = (44, 16, 1, head_dim)
+    cache = np.full(KVFormat("int4").buffer_shape(*shape), POISON, np.uint8)
+    slots = np.arange(len(x), dtype=np.int64)
+    store("int4", cache, shape, x, slots)
+    codes, scales = kv_quant.quantize_rows(x.float().numpy(), KVFormat("int4"))
+    got_codes, got_scales = stored_rows("int4", cache, shape, slots)
+    np.testing.assert_array_equal(got_scales, scales)
+    np.testing.assert_array_equal(got_codes, codes)
+
+
+def test_int4_range_search_beats_min_max():
+    """The grid int4 stores loses less than the plain ``[min, max]`` grid: on normal rows about a
+    fifth less squared error (0.80 of it), and never a group more than fp16's rounding of the
+    two parameters can cost."""
+    fmt = KVFormat("int4")
+    x = np.random.default_rng(5).standard_normal((4000, 64)).astype(np.float32)
+    groups = x.reshape(-1, 32)
+    low = groups.min(-1, keepdims=True).astype(np.float16).astype(np.float32)
+    scale = ((groups.max(-1, keepdims=True) - groups.min(-1, keepdims=True)) / np.float32(15))
+    scale = scale.astype(np.float16).astype(np.float32)
+    plain = low + np.clip(np.rint((groups - low) / scale), 0, 15) * scale
+    searched = kv_quant.dequantize_rows(*kv_quant.quantize_rows(x, fmt), fmt).reshape(-1, 32)
+    plain_error = ((plain - groups) ** 2).sum(-1)
+    searched_error = ((searched - groups) ** 2).sum(-1)
+    assert searched_error.sum() < 0.82 * plain_error.sum()
+    assert (searched_error <= plain_error * 1.02 + 1e-6).all()
+    # the search keeps every code in range and its grid's ends near the group's
+    assert np.abs(searched - groups).max() < 0.25 * (groups.max(-1) - groups.min(-1)).max()
 
 
 def test_store_checks_every_slot_before_writing():

@@ -18,9 +18,10 @@ name           one head's row of ``D`` values: codes, then scales      bytes per
                per token and head)
 ``int4``       ``D / 2`` bytes of 4-bit codes (element ``2j`` in the   ``D / 2 + 4 * D / G``
                low nibble of byte ``j``), then per group of ``G``
-               channels ``s = (max - min) / 15`` and ``min`` as
-               float16: ``x = min + code * s`` (asymmetric, per token
-               and head)
+               channels a scale ``s`` and an offset ``m`` as float16:
+               ``x = m + code * s`` (asymmetric, per token and head;
+               the encoder picks ``m`` and ``s`` by a least-squares
+               search, ``kv_quant.int4_ranges``)
 =============  =====================================================  ==========================
 
 ``G`` (:func:`int4_group`) is 32 where the head size is a multiple of 32, else the whole
@@ -136,7 +137,7 @@ class KVFormat:
 
 
 def int4_group(head_dim: int) -> int:
-    """Channels sharing one int4 scale and minimum: 32, else the whole head. (Groups of 64
+    """Channels sharing one int4 scale and offset: 32, else the whole head. (Groups of 64
     hold 3.56x bf16's tokens instead of 3.2x, but cost SmolLM2-135M +3.9 % perplexity where
     32 cost +2.8 %: ``docs/memory.md``.)"""
     return 32 if head_dim % 32 == 0 else head_dim

@@ -73,15 +73,90 @@ def _quantize_int8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return codes.view(np.uint8), np.ascontiguousarray(scale.astype(np.float16)).view(np.uint8)
 
 
+#: int4's range search: starting codes of each least-squares fit, as ``rint(T * c / 2**17)``
+#: for these ``c`` (the range cut in 14 to 16 steps), and the fits made from each.
+INT4_STARTS = (29, 30, 31)
+INT4_FITS = 2
+_UNIT = 1 << 16  # T: a value's place in its group's [min, max], in 1/65536ths
+
+
+def int4_ranges(grouped: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """float32 ``(low, scale)`` ``[..., groups, 1]`` of float32 groups ``[..., groups, G]``,
+    before their float16 rounding: the least-squares grid of :func:`_quantize_int4`.
+
+    ``min``/``max`` give the plain grid (``low = min``, ``scale = (max - min) / 15``). Rounding
+    to it wastes levels on a group's two extremes, so each group also tries least-squares
+    fits (llama.cpp's k-quants search the same way): each value's place ``T`` in ``[min, max]``
+    as an integer of 16 bits; for each start in :data:`INT4_STARTS`, codes ``l``, then
+    :data:`INT4_FITS` times the line ``16 T ~ M + l S`` fitted with integer sums (``S`` and
+    ``M`` rounded to integers: units of 1/16 of ``T``'s) and ``l`` rounded again to it. The grid of least squared error ``sum (16 T - M - l S)**2`` (an exact integer) wins;
+    ties keep the earlier, the plain grid first. Every step is integer arithmetic or one IEEE
+    float32 operation, so each encoder (this one, the native and the CUDA stores) makes the
+    same choice, whatever order it sums in.
+    """
+    n = grouped.shape[-1]
+    smallest = grouped.min(axis=-1, keepdims=True) + np.float32(0)  # -0.0 as +0.0: see _quantize_int4
+    largest = grouped.max(axis=-1, keepdims=True) + np.float32(0)
+    span = largest - smallest
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        inverse = np.float32(16 * _UNIT) / span
+        fits = (span > 0) & np.isfinite(span) & np.isfinite(inverse)
+        safe_span = np.where(fits, span, np.float32(1))
+        place = np.where(fits, np.rint((grouped - smallest) / safe_span * np.float32(_UNIT)), 0).astype(np.int64)
+    sixteen = 16 * place
+    as_float = sixteen.astype(np.float32)  # exact: below 2**21
+
+    def codes(S, M):
+        reciprocal = np.float32(1) / S.astype(np.float32)
+        return np.clip(np.rint((as_float - M.astype(np.float32)) * reciprocal), 0, 15).astype(np.int64)
+
+    def error(S, M, l):
+        e = sixteen - M - l * S
+        return (e * e).sum(axis=-1, keepdims=True)
+
+    best_S = np.full(smallest.shape, (32 * _UNIT + 15) // 30, dtype=np.int64)  # the plain grid: 16 * 2**16 / 15
+    best_M = np.zeros(smallest.shape, dtype=np.int64)
+    best = error(best_S, best_M, codes(best_S, best_M))
+    refined = np.zeros(smallest.shape, dtype=bool)
+    ST = place.sum(axis=-1, keepdims=True)
+    for start in INT4_STARTS:
+        l = np.clip(np.rint(place.astype(np.float32) * np.float32(start) / np.float32(2 * _UNIT)), 0, 15)
+        l = l.astype(np.int64)
+        valid = fits.copy()
+        for _ in range(INT4_FITS):
+            Sl, Sll = l.sum(axis=-1, keepdims=True), (l * l).sum(axis=-1, keepdims=True)
+            SlT = (l * place).sum(axis=-1, keepdims=True)
+            den, num = n * Sll - Sl * Sl, n * SlT - Sl * ST
+            valid &= (den > 0) & (num > 0)
+            den, num = np.where(valid, den, 1), np.where(valid, num, 0)
+            # 16 num / den and 16 (ST den - num Sl) / (n den), each a float32 division of the
+            # integers rounded to float32, then rounded half to even
+            S = np.rint((16 * num).astype(np.float32) / den.astype(np.float32)).astype(np.int64)
+            M = (16 * (ST * den - num * Sl)).astype(np.float32) / (n * den).astype(np.float32)
+            M = np.rint(M).astype(np.int64)
+            valid &= (S >= 1) & (S < 1 << 22) & (np.abs(M) < 1 << 22)
+            S, M = np.where(valid, S, 1), np.where(valid, M, 0)
+            l = codes(S, M)
+        e = error(S, M, l)
+        take = valid & (e < best)
+        best = np.where(take, e, best)
+        best_S, best_M = np.where(take, S, best_S), np.where(take, M, best_M)
+        refined |= take
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        safe_inverse = np.where(refined, inverse, np.float32(1))
+        low = np.where(refined, smallest + best_M.astype(np.float32) / safe_inverse, smallest)
+        scale = np.where(refined, best_S.astype(np.float32) / safe_inverse, span / np.float32(15))
+    return low.astype(np.float32), scale.astype(np.float32)
+
+
 def _quantize_int4(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     head_dim = x.shape[-1]
     group = int4_group(head_dim)
     grouped = x.reshape(*x.shape[:-1], head_dim // group, group)
-    # + 0.0 turns -0.0 into +0.0: which signed zero min/max return depends on element order.
-    smallest = grouped.min(axis=-1, keepdims=True) + np.float32(0)
-    largest = grouped.max(axis=-1, keepdims=True) + np.float32(0)
-    low = smallest.astype(np.float16).astype(np.float32)
-    scale = ((largest - smallest) / np.float32(15)).astype(np.float16).astype(np.float32)
+    # + 0.0 turns -0.0 into +0.0 (int4_ranges): which signed zero min/max return depends on element order.
+    low, scale = int4_ranges(grouped)
+    low = low.astype(np.float16).astype(np.float32)
+    scale = scale.astype(np.float16).astype(np.float32)
     safe = np.where(scale > 0, scale, np.float32(1))
     codes = np.where(scale > 0, np.clip(np.rint((grouped - low) / safe), 0, 15), 0).astype(np.uint8)
     codes = codes.reshape(*x.shape[:-1], head_dim // 2, 2)
