@@ -99,8 +99,9 @@ def _int4_grid(group: int):
             sixteen = cuda.local.array(G, int32)
             l = cuda.local.array(G, int32)
             ST = int64(0)
+            per_unit = float32(UNIT) / span
             for i in range(G):
-                p = int32(rint_even((float32(x[t, h, g0 + i]) - lo) / span * float32(UNIT)))
+                p = int32(rint_even((float32(x[t, h, g0 + i]) - lo) * per_unit))
                 place[i] = p
                 sixteen[i] = 16 * p
                 ST += p

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -333,3 +334,10 @@ def test_a_cpu_engine_loads_the_kernels_at_start_up():
         assert native_cpu.library.cache_info().currsize == 1  # before any generate
     finally:
         llm.restore()
+
+
+def test_the_build_key_covers_every_header():
+    """A header left out of ``_HEADERS`` would not change the build's cache key, so an edit to
+    it would keep serving the library built before the edit."""
+    here = Path(native_cpu.__file__).parent
+    assert set(native_cpu._HEADERS) == set(here.glob("*.h"))

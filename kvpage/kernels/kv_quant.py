@@ -102,7 +102,7 @@ def int4_ranges(grouped: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         inverse = np.float32(16 * _UNIT) / span
         fits = (span > 0) & np.isfinite(span) & np.isfinite(inverse)
         safe_span = np.where(fits, span, np.float32(1))
-        place = np.where(fits, np.rint((grouped - smallest) / safe_span * np.float32(_UNIT)), 0).astype(np.int64)
+        place = np.where(fits, np.rint((grouped - smallest) * (np.float32(_UNIT) / safe_span)), 0).astype(np.int64)
     sixteen = 16 * place
     as_float = sixteen.astype(np.float32)  # exact: below 2**21
 

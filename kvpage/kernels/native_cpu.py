@@ -51,8 +51,9 @@ _HERE = Path(__file__).parent
 #: The kernel source of each variant, best first, and the CPU flags it needs.
 VARIANTS = {"avx512": (_HERE / "native_cpu.cpp", ("avx512f",)),
             "avx2": (_HERE / "native_cpu_avx2.cpp", ("avx2", "fma", "f16c"))}
-_HEADERS = (_HERE / "native_cpu_common.h", _HERE / "native_cpu_quant.h", _HERE / "native_cpu_quant_decode.h",
-            _HERE / "native_cpu_quant_transposed.h", _HERE / "native_cpu_quant_prefill.h", _HERE / "native_cpu_api.h")
+_HEADERS = (_HERE / "native_cpu_common.h", _HERE / "native_cpu_quant.h", _HERE / "native_cpu_quant_int4.h",
+            _HERE / "native_cpu_quant_decode.h", _HERE / "native_cpu_quant_transposed.h",
+            _HERE / "native_cpu_quant_prefill.h", _HERE / "native_cpu_api.h")
 ABI_VERSION = 7
 #: Element types the kernels take, by numpy/torch dtype name (the C ``elem_type`` codes).
 ELEM_TYPES = {"float32": 0, "float16": 1, "bfloat16": 2}

@@ -397,171 +397,11 @@ void quantize_int8(const void* src, int64_t at, int64_t D, uint8_t* codes, uint8
   }
 }
 
-// int4's range search (kv_quant.int4_ranges, whose docstring is the contract): of the plain
-// grid (low = min, s = (max - min) / 15) and the least-squares fits from kInt4Starts, the
-// one of least squared error. Integer sums and single fp32 operations only (the build
-// contracts a * b + c into an FMA, so no such expression is written), so the choice is the
-// reference's bit for bit whatever the order of the sums.
-constexpr int kInt4Starts[] = {29, 30, 31};
-constexpr int kInt4Fits = 2;
-constexpr int64_t kInt4Unit = 1 << 16;
+}  // namespace
 
-template <int W>
-inline RegI<W> vaddi(RegI<W> a, RegI<W> b) {
-  if constexpr (W == 16) return _mm512_add_epi32(a, b); else return _mm256_add_epi32(a, b);
-}
-template <int W>
-inline RegI<W> vmulli(RegI<W> a, RegI<W> b) {
-  if constexpr (W == 16) return _mm512_mullo_epi32(a, b); else return _mm256_mullo_epi32(a, b);
-}
-template <int W>
-inline int64_t lanes_sum_i32(RegI<W> x) {
-  if constexpr (W == 16) {
-    return _mm512_reduce_add_epi32(x);
-  } else {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
-  }
-}
+#include "native_cpu_quant_int4.h"
 
-// Sums over a group's codes l: of l, of l * l and of l * T (exact: int32 lanes cannot overflow
-// for G <= 256).
-struct Int4Sums {
-  int64_t l = 0, ll = 0, lt = 0;
-};
-
-// The codes clip(rint((y[i] - m) * f), 0, 15) of the group's `n` values y (W-lane vectors; a
-// line's codes take y = 16 T, a start's y = T and m = 0), and their sums. l and l * l share
-// one reduction: l + (l * l << 12) cannot carry (sum l < 4096 for G <= 256).
-template <int W>
-inline Int4Sums int4_codes(const RegF<W>* y, const RegI<W>* place, int64_t n, float m, float f) {
-  const RegF<W> mv = splat<W>(m), fv = splat<W>(f), top = splat<W>(15.0f);
-  RegI<W> both = to_int32<W>(vzero<W>()), slt = both;
-  for (int64_t v = 0; v < n / W; ++v) {
-    const RegI<W> l = to_int32<W>(vmin(vmax(vrint(vmul(vsub(y[v], mv), fv)), vzero<W>()), top));
-    const RegI<W> ll = vmulli<W>(l, l);
-    if constexpr (W == 16) both = _mm512_add_epi32(both, _mm512_add_epi32(l, _mm512_slli_epi32(ll, 12)));
-    else both = _mm256_add_epi32(both, _mm256_add_epi32(l, _mm256_slli_epi32(ll, 12)));
-    slt = vaddi<W>(slt, vmulli<W>(l, place[v]));
-  }
-  const int64_t packed = lanes_sum_i32<W>(both);
-  return {packed & 4095, packed >> 12, lanes_sum_i32<W>(slt)};
-}
-
-// low and s (before their fp16 rounding) of the n values x of one group (n a multiple of W),
-// min smallest, max largest.
-inline void int4_grid(const float* x, int64_t n, float smallest, float largest, float* low, float* s) {
-  constexpr int W = kVecLanes;
-  const float span = largest - smallest, inverse = static_cast<float>(16 * kInt4Unit) / span;
-  *low = smallest;
-  *s = span / 15.0f;
-  if (!(span > 0.0f) || !std::isfinite(span) || !std::isfinite(inverse)) return;
-  RegF<W> t[kMaxChunks * 16 / W], u[kMaxChunks * 16 / W];
-  RegI<W> place[kMaxChunks * 16 / W];
-  const RegF<W> lo = splat<W>(smallest), sp = splat<W>(span), unit = splat<W>(static_cast<float>(kInt4Unit));
-  int64_t ST = 0, STT = 0;
-  for (int64_t v = 0; v < n / W; ++v) {
-    t[v] = vrint(vmul(vdiv(vsub(vload<W>(x + v * W), lo), sp), unit));  // T, exactly an integer
-    u[v] = vmul(t[v], splat<W>(16.0f));
-    place[v] = to_int32<W>(t[v]);
-    alignas(64) int32_t lanes[W];
-    std::memcpy(lanes, &place[v], sizeof(place[v]));
-    for (int i = 0; i < W; ++i) {
-      ST += lanes[i];
-      STT += static_cast<int64_t>(lanes[i]) * lanes[i];
-    }
-  }
-  // sum (16 T - M - l S)^2, expanded into the sums (exact in int64 for these ranges)
-  const auto error = [&](int64_t S, int64_t M, const Int4Sums& q) {
-    return 256 * STT - 32 * M * ST - 32 * S * q.lt + n * M * M + 2 * M * S * q.l + S * S * q.ll;
-  };
-  const auto line = [&](int64_t S, int64_t M) {
-    return int4_codes<W>(u, place, n, static_cast<float>(M), 1.0f / static_cast<float>(S));
-  };
-  // The starts' fits run side by side, each step of every start before the next step: their
-  // chains of reductions and divisions are independent, so the core overlaps them.
-  constexpr int kStarts = sizeof(kInt4Starts) / sizeof(kInt4Starts[0]);
-  Int4Sums q[kStarts];
-  int64_t S[kStarts], M[kStarts];
-  bool valid[kStarts];
-  for (int k = 0; k < kStarts; ++k) {
-    q[k] = int4_codes<W>(t, place, n, 0.0f, static_cast<float>(kInt4Starts[k]) / static_cast<float>(2 * kInt4Unit));
-    S[k] = 1;
-    M[k] = 0;
-    valid[k] = true;
-  }
-  for (int fit = 0; fit < kInt4Fits; ++fit) {
-    for (int k = 0; k < kStarts; ++k) {
-      if (!valid[k]) continue;
-      const int64_t den = n * q[k].ll - q[k].l * q[k].l, num = n * q[k].lt - q[k].l * ST;
-      valid[k] = den > 0 && num > 0;
-      if (!valid[k]) continue;
-      S[k] = static_cast<int64_t>(std::nearbyint(static_cast<float>(16 * num) / static_cast<float>(den)));
-      M[k] = static_cast<int64_t>(
-          std::nearbyint(static_cast<float>(16 * (ST * den - num * q[k].l)) / static_cast<float>(n * den)));
-      valid[k] = S[k] >= 1 && S[k] < (1 << 22) && std::abs(M[k]) < (1 << 22);
-    }
-    for (int k = 0; k < kStarts; ++k)
-      if (valid[k]) q[k] = line(S[k], M[k]);
-  }
-  int64_t best_S = (32 * kInt4Unit + 15) / 30, best_M = 0;  // the plain grid first
-  int64_t best = error(best_S, best_M, line(best_S, best_M));
-  bool refined = false;
-  for (int k = 0; k < kStarts; ++k) {
-    if (!valid[k]) continue;
-    const int64_t e = error(S[k], M[k], q[k]);
-    if (e < best) {
-      best = e;
-      best_S = S[k];
-      best_M = M[k];
-      refined = true;
-    }
-  }
-  if (refined) {
-    *low = smallest + static_cast<float>(best_M) / inverse;
-    *s = static_cast<float>(best_S) / inverse;
-  }
-}
-
-// int4, per group of G channels (-0.0 extremes as +0.0): low = fp16 of int4_grid's low, s =
-// fp16 of its scale, codes rint((x - low) / s) clipped to [0, 15] (0 where s is 0), two a
-// byte (element 2j low).
-template <int R>
-void quantize_int4(const void* src, int64_t at, int64_t D, int64_t G, uint8_t* codes, uint8_t* scales) {
-  constexpr int W = kVecLanes;
-  alignas(64) uint8_t nibbles[16 * kMaxChunks];
-  for (int64_t g0 = 0; g0 < D; g0 += G) {
-    Vec mn = splat<W>(std::numeric_limits<float>::infinity()), mx = splat<W>(-std::numeric_limits<float>::infinity());
-    for (int64_t c = g0; c < g0 + G; c += W) {
-      const Vec x = load_lanes<W, R>(src, at + c);
-      mn = vmin(mn, x);
-      mx = vmax(mx, x);
-    }
-    // + 0 turns -0.0 into +0.0 (as the reference does): which signed zero min/max return
-    // depends on the order of the elements.
-    const float smallest = lanes_min(mn) + 0.0f, largest = lanes_max(mx) + 0.0f;
-    alignas(64) float values[16 * kMaxChunks];
-    for (int64_t c = g0; c < g0 + G; c += W) vstore(values + (c - g0), load_lanes<W, R>(src, at + c));
-    float grid_low, grid_scale;
-    int4_grid(values, G, smallest, largest, &grid_low, &grid_scale);
-    const uint16_t low_half = _cvtss_sh(grid_low, _MM_FROUND_TO_NEAREST_INT);
-    const uint16_t scale_half = _cvtss_sh(grid_scale, _MM_FROUND_TO_NEAREST_INT);
-    std::memcpy(scales + 4 * (g0 / G), &scale_half, 2);
-    std::memcpy(scales + 4 * (g0 / G) + 2, &low_half, 2);
-    const float s = _cvtsh_ss(scale_half), low = _cvtsh_ss(low_half);
-    if (!(s > 0.0f)) {
-      std::memset(nibbles + g0, 0, G);
-      continue;
-    }
-    const Vec sv = splat<W>(s), lv = splat<W>(low), top = splat<W>(15.0f);
-    for (int64_t c = g0; c < g0 + G; c += W) {
-      const Vec y = vmin(vmax(vrint(vdiv(vsub(load_lanes<W, R>(src, at + c), lv), sv)), vzero<W>()), top);
-      store_low_bytes<W>(nibbles + c, to_int32<W>(y));
-    }
-  }
-  for (int64_t j = 0; j < D / 2; ++j) codes[j] = static_cast<uint8_t>(nibbles[2 * j] | (nibbles[2 * j + 1] << 4));
-}
+namespace {
 
 // fp8 codes of W values y (|y| within the format's range), rounded to nearest even, with
 // x's sign bits: the magnitude rounded to the format's quantum at its binade (the subnormal
@@ -627,7 +467,6 @@ void quantize_fp8(const void* src, int64_t at, int64_t D, uint8_t* codes, uint8_
 template <int R, int F>
 inline void quantize_row(const void* src, int64_t at, const QuantLayout& L, uint8_t* codes, uint8_t* scales) {
   if constexpr (F == kInt8) quantize_int8<R>(src, at, L.head_dim, codes, scales);
-  else if constexpr (F == kInt4) quantize_int4<R>(src, at, L.head_dim, L.group, codes, scales);
   else quantize_fp8<R, F>(src, at, L.head_dim, codes, scales);
 }
 
@@ -637,14 +476,18 @@ inline void quantize_row(const void* src, int64_t at, const QuantLayout& L, uint
 template <int R, int F>
 void quantize_rows(uint8_t* cache, const QuantLayout& L, const void* rows, int64_t stride_token, int64_t stride_head,
                    const int64_t* slots, int64_t n) {
-  const int64_t work = n * L.heads * L.head_dim;
+  if constexpr (F == kInt4) {
+    quantize_rows_int4<R>(cache, L, rows, stride_token, stride_head, slots, n);
+  } else {
+    const int64_t work = n * L.heads * L.head_dim;
 #pragma omp parallel for schedule(static) if (work >= (1 << 16))
-  for (int64_t t = 0; t < n; ++t) {
-    uint8_t* codes = cache + L.codes_of(slots[t]);
-    uint8_t* scales = cache + L.scales_of(slots[t]);
-    for (int64_t h = 0; h < L.heads; ++h)
-      quantize_row<R, F>(rows, t * stride_token + h * stride_head, L, codes + h * L.code_bytes,
-                         scales + h * L.scale_bytes);
+    for (int64_t t = 0; t < n; ++t) {
+      uint8_t* codes = cache + L.codes_of(slots[t]);
+      uint8_t* scales = cache + L.scales_of(slots[t]);
+      for (int64_t h = 0; h < L.heads; ++h)
+        quantize_row<R, F>(rows, t * stride_token + h * stride_head, L, codes + h * L.code_bytes,
+                           scales + h * L.scale_bytes);
+    }
   }
 }
 
