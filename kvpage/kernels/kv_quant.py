@@ -5,7 +5,7 @@ block (:func:`block_views`). The byte layouts are :mod:`kvpage.core.kv_formats`'
 definition every other encoder (the native CPU store, the CUDA store) must match byte for
 byte, so its arithmetic is spelled out: float32 throughout, divisions (not multiplications
 by a reciprocal), rounding half to even, float16 conversions rounding to nearest even.
-Inputs are finite.
+int4's range search (:func:`int4_ranges`) states its own steps. Inputs are finite.
 """
 from __future__ import annotations
 
@@ -82,17 +82,27 @@ _UNIT = 1 << 16  # T: a value's place in its group's [min, max], in 1/65536ths
 
 def int4_ranges(grouped: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """float32 ``(low, scale)`` ``[..., groups, 1]`` of float32 groups ``[..., groups, G]``,
-    before their float16 rounding: the least-squares grid of :func:`_quantize_int4`.
+    before their float16 rounding: the grid :func:`_quantize_int4` codes each group on.
 
-    ``min``/``max`` give the plain grid (``low = min``, ``scale = (max - min) / 15``). Rounding
-    to it wastes levels on a group's two extremes, so each group also tries least-squares
-    fits (llama.cpp's k-quants search the same way): each value's place ``T`` in ``[min, max]``
-    as an integer of 16 bits; for each start in :data:`INT4_STARTS`, codes ``l``, then
-    :data:`INT4_FITS` times the line ``16 T ~ M + l S`` fitted with integer sums (``S`` and
-    ``M`` rounded to integers: units of 1/16 of ``T``'s) and ``l`` rounded again to it. The grid of least squared error ``sum (16 T - M - l S)**2`` (an exact integer) wins;
-    ties keep the earlier, the plain grid first. Every step is integer arithmetic or one IEEE
-    float32 operation, so each encoder (this one, the native and the CUDA stores) makes the
-    same choice, whatever order it sums in.
+    ``min``/``max`` give the plain grid (``low = min``, ``scale = (max - min) / 15``). It
+    spends its two end levels on a group's two extreme values, so each group also tries
+    least-squares fits (the idea of llama.cpp's k-quant search):
+
+    1. each value's place in ``[min, max]`` as an integer ``T = rint((x - min) * (2**16 /
+       (max - min)))`` (0 where ``max - min`` is 0 or not finite: only the plain grid then);
+    2. for each start ``c`` in :data:`INT4_STARTS`, codes ``l = clip(rint(T * c / 2**17), 0, 15)``;
+    3. :data:`INT4_FITS` times, the line ``16 T ~ M + l S`` fitted to them by least squares
+       from exact integer sums (``den = n sum(l*l) - sum(l)**2``, ``num = n sum(l*T) - sum(l)
+       sum(T)``): ``S = rint(f32(16 num) / f32(den))``, ``M = rint(f32(16 (sum(T) den - num
+       sum(l))) / f32(n den))`` (a fit is dropped unless ``den > 0``, ``num > 0``, ``1 <= S <
+       2**22`` and ``|M| < 2**22``), then ``l = clip(rint(f32(16 T - M) * (1 / f32(S))), 0, 15)``;
+    4. the grid whose codes leave the least ``sum (16 T - M - l S)**2`` (an exact integer;
+       the plain grid is ``S = 69905``, ``M = 0``) wins, ties keeping the earlier, the plain
+       grid first; a fitted grid is ``low = min + f32(M) / f32(2**20 / (max - min))``,
+       ``scale = f32(S) / f32(2**20 / (max - min))``.
+
+    Every step is integer arithmetic or one IEEE float32 operation, so the native and CUDA
+    stores make the same choice whatever order they sum in.
     """
     n = grouped.shape[-1]
     smallest = grouped.min(axis=-1, keepdims=True) + np.float32(0)  # -0.0 as +0.0: see _quantize_int4

@@ -16,7 +16,8 @@
 //   byte for byte what kvpage.kernels.kv_quant.quantize_rows makes of the row widened to fp32:
 //   fp32 arithmetic, true divisions x / s (vdivps is correctly rounded, as numpy's), rounding
 //   half to even (vroundps), fp16 conversions to nearest even (F16C). fp8 divides only by
-//   powers of two, which are exact as multiplications by their reciprocals.
+//   powers of two, which are exact as multiplications by their reciprocals. int4's grids
+//   come from a search of their own (native_cpu_quant_int4.h).
 // - decode (native_cpu_quant_decode.h): the unquantized decode's layout (one item per
 //   (sequence, context split), softmax partitions of kPartition tokens, the LineQueue
 //   prefetch). int8 and fp8 keep their per-row scale out of the inner loops: a score is
