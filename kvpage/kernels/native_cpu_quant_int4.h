@@ -21,17 +21,9 @@ inline RegI<W> isplat(int32_t v) { if constexpr (W == 16) return _mm512_set1_epi
 template <int W>
 inline RegI<W> iadd(RegI<W> a, RegI<W> b) { if constexpr (W == 16) return _mm512_add_epi32(a, b); else return _mm256_add_epi32(a, b); }
 template <int W>
-inline RegI<W> isub(RegI<W> a, RegI<W> b) { if constexpr (W == 16) return _mm512_sub_epi32(a, b); else return _mm256_sub_epi32(a, b); }
-template <int W>
-inline RegI<W> imul(RegI<W> a, RegI<W> b) { if constexpr (W == 16) return _mm512_mullo_epi32(a, b); else return _mm256_mullo_epi32(a, b); }
-template <int W>
-inline RegF<W> to_float(RegI<W> a) { if constexpr (W == 16) return _mm512_cvtepi32_ps(a); else return _mm256_cvtepi32_ps(a); }
-template <int W>
 inline RegF<W> gather_lanes(const float* base, RegI<W> index) {
   if constexpr (W == 16) return _mm512_i32gather_ps(index, base, 4); else return _mm256_i32gather_ps(base, index, 4);
 }
-template <int W>
-inline void store_ints(int32_t* p, RegI<W> a) { std::memcpy(p, &a, sizeof(a)); }
 template <int W>
 inline RegI<W> load_ints(const int32_t* p) {
   RegI<W> a;
@@ -109,10 +101,6 @@ inline void int4_errors(const Int4Sums<W>& q, int64_t* out) {
   }
 }
 
-// A least-squares fit of the line 16 T ~ M + l S to each group's codes (sums q): S and M, and
-// whether the fit is usable (kv_quant.int4_ranges: den > 0, num > 0, 1 <= S < 2^22, |M| < 2^22).
-// The sums' products are exact in double for G <= 256; each quotient is fp32(16 num) /
-// fp32(den) and fp32(16 P) / fp32(n den), as the reference rounds them.
 // Double-precision halves of W int32 lanes (AVX-512: 2 x 8, AVX2: 2 x 4), and back to fp32.
 template <int W>
 struct Halves;
@@ -122,7 +110,6 @@ struct Halves<16> {
   static D lo(__m512i x) { return _mm512_cvtepi32_pd(_mm512_castsi512_si256(x)); }
   static D hi(__m512i x) { return _mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(x, 1)); }
   static D set(double v) { return _mm512_set1_pd(v); }
-  static D add(D a, D b) { return _mm512_add_pd(a, b); }
   static D sub(D a, D b) { return _mm512_sub_pd(a, b); }
   static D mul(D a, D b) { return _mm512_mul_pd(a, b); }
   static __m512 join(D a, D b) {  // fp32 of each lane, correctly rounded
@@ -136,7 +123,6 @@ struct Halves<8> {
   static D lo(__m256i x) { return _mm256_cvtepi32_pd(_mm256_castsi256_si128(x)); }
   static D hi(__m256i x) { return _mm256_cvtepi32_pd(_mm256_extracti128_si256(x, 1)); }
   static D set(double v) { return _mm256_set1_pd(v); }
-  static D add(D a, D b) { return _mm256_add_pd(a, b); }
   static D sub(D a, D b) { return _mm256_sub_pd(a, b); }
   static D mul(D a, D b) { return _mm256_mul_pd(a, b); }
   static __m256 join(D a, D b) { return _mm256_set_m128(_mm256_cvtpd_ps(b), _mm256_cvtpd_ps(a)); }
