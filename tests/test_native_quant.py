@@ -22,6 +22,8 @@ import sys
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 
@@ -197,6 +199,27 @@ def test_int4_range_search_matches_the_reference_on_many_groups(head_dim, dtype)
     slots = np.arange(len(x), dtype=np.int64)
     store("int4", cache, shape, x, slots)
     codes, scales = kv_quant.quantize_rows(x.float().numpy(), KVFormat("int4"))
+    got_codes, got_scales = stored_rows("int4", cache, shape, slots)
+    np.testing.assert_array_equal(got_scales, scales)
+    np.testing.assert_array_equal(got_codes, codes)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_int4_range_search_matches_the_reference_on_any_floats(data):
+    """Property: rows of any finite float32s (subnormals, spans that overflow, repeated values,
+    a few distinct levels) get the reference's bytes from the native store."""
+    head_dim = data.draw(st.sampled_from([32, 64, 80]))
+    values = st.floats(allow_nan=False, allow_infinity=False, width=32)
+    levels = data.draw(st.lists(values, min_size=1, max_size=6))
+    row = st.lists(st.one_of(values, st.sampled_from(levels)), min_size=head_dim, max_size=head_dim)
+    x = np.array(data.draw(st.lists(row, min_size=1, max_size=20)), dtype=np.float32)[:, None, :]
+    shape = (2, 16, 1, head_dim)
+    cache = np.full(KVFormat("int4").buffer_shape(*shape), POISON, np.uint8)
+    slots = np.arange(len(x), dtype=np.int64)
+    store("int4", cache, shape, torch.from_numpy(x), slots)
+    with np.errstate(over="ignore", invalid="ignore"):
+        codes, scales = kv_quant.quantize_rows(x, KVFormat("int4"))
     got_codes, got_scales = stored_rows("int4", cache, shape, slots)
     np.testing.assert_array_equal(got_scales, scales)
     np.testing.assert_array_equal(got_codes, codes)
