@@ -9,7 +9,7 @@
 #   4. the host time of a 32-layer model's decode step, replayed from a CUDA graph and eager
 #      (benchmarks/decode_step_host.py: decode_step_host.json),
 #   5. decode: fast vs reference kernel vs torch SDPA, batch 32 x 2k..16k, fp16 and bf16, as a
-#      fraction of the device's peak HBM bandwidth; the fast kernel over int8 and fp8 (E4M3)
+#      fraction of the device's peak HBM bandwidth; the fast kernel over int8, fp8 (E4M3) and int4
 #      caches at 2k and 8k against fast fp16 and checked against the reference kernel; the
 #      host us of one paged_attention call; prefill: the Numba kernel against the gather into
 #      torch's SDPA (benchmarks/gpu_check_report.py: writes gpu_check.json and gpu_check.md,

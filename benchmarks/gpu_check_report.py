@@ -1,5 +1,5 @@
 """Decode comparison of ``benchmarks/gpu_check.sh``: fast vs reference Numba kernel vs torch SDPA,
-and the fast kernel over 8-bit quantized KV (int8, fp8 E4M3) vs over fp16 KV.
+and the fast kernel over quantized KV (int8, fp8 E4M3, int4) vs over fp16 KV.
 
 Batch ``BATCH`` x ``CONTEXTS``, 32 query / 8 KV heads (group 4), head_dim 128, block size 16,
 shuffled block tables, fp16 and bf16 (bf16 needs CUDA torch; the reference kernel has no bf16).
@@ -32,7 +32,7 @@ Writes ``gpu_check.json`` and ``gpu_check.md`` into the folder given (else ``$OU
      "eager_host_us_per_decode_step": float | null,   # the same step launched eagerly
      "host_us_per_attention_call": float | null,   # host us of one eager paged_attention decode call
      "peak_bytes_per_s": float | null, "peak_source": str | null,
-     "rows": [{"batch", "context", "dtype" (fp16 | bf16 | int8 | fp8_e4m3), "kernel": "fast" | "reference",
+     "rows": [{"batch", "context", "dtype" (fp16 | bf16 | int8 | fp8_e4m3 | int4), "kernel": "fast" | "reference",
                "kernel_us", "frac_peak", "sdpa_frac_peak" (null without CUDA torch; null for 8-bit),
                "vs_fast_fp16" (8-bit rows only)}],
      "prefill_rows": [{"shape": "prompt" | "chunk", "seqs", "query_len", "context",
@@ -62,7 +62,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_cuda, also under PYTHONSAFEPATH=1
 
 BATCH, CONTEXTS = 32, (2048, 4096, 8192, 16384)
-QUANT_FORMATS, QUANT_CONTEXTS = ("int8", "fp8_e4m3"), (2048, 8192)
+QUANT_FORMATS, QUANT_CONTEXTS = ("int8", "fp8_e4m3", "int4"), (2048, 8192)
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 ROTATION_L2_MULTIPLE = 4
 TOL = {"fp16": dict(rtol=3e-3, atol=2e-3), "bf16": dict(rtol=2e-2, atol=2e-2)}

@@ -7,7 +7,7 @@ simulator, runs its simulator build; ``"reference"`` always takes the reference 
 
 The fast kernel reads q and the caches as 32-bit words and writes ``out`` as 16-bit words, so
 one compiled variant serves fp16 and bf16 (torch's bf16 has no Numba array type). Quantized
-caches (``cache_format``: int8, fp8_e4m3, fp8_e5m2; int4 stays on the reference kernel) are
+caches (``cache_format``: int8, fp8_e4m3, fp8_e5m2, int4) are
 passed as their uint8 ``[num_blocks, block_bytes]`` buffers, with fp16 q and out. Its split-K
 partials and zeroed counters come from the per-(device, stream) ``workspace``: a decode step
 allocates nothing and never synchronises.

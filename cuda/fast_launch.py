@@ -27,15 +27,16 @@ FAST_MIN_PARTITION = 256
 #: its shared memory holds one weight per split and head.
 FAST_MAX_SPLITS = 64
 #: head_dim, group and KV dtypes the fast kernel is compiled for: 16-bit caches, and the
-#: 8-bit quantized formats (``kvpage.core.kv_formats`` names; q and out are fp16 for those).
+#: quantized formats (``kvpage.core.kv_formats`` names; q and out are fp16 for those).
 FAST_HEAD_DIMS = (64, 128)
 FAST_GROUPS = (1, 4, 8)
 FAST_KV_DTYPES = ("fp16", "bf16")
-FAST_QUANT_DTYPES = ("int8", "fp8_e4m3", "fp8_e5m2")
+FAST_QUANT_DTYPES = ("int8", "fp8_e4m3", "fp8_e5m2", "int4")
 #: Warp steps per iteration (each step: one key per ``head_dim / 8`` lanes), i.e. the K and V
 #: loads each lane has in flight before it uses any: 16-bit rows 4 steps of 16 bytes (4 KiB
 #: per warp and iteration). 8-bit rows load half the bytes a step, so groups 1 and 4 take 8
-#: steps (the same 4 KiB in flight); group 8 has no registers left for more than 4.
+#: steps (the same 4 KiB in flight); group 8 has no registers left for more than 4. int4 rows
+#: (a code and a scale load a step) take the 8-bit steps.
 FAST_UNROLL = {"16bit": {1: 4, 4: 4, 8: 4}, "8bit": {1: 8, 4: 4, 8: 4}}
 
 

@@ -30,6 +30,13 @@ Formats (``kvpage.core.kv_formats``):
   with bits ``((b & 0x80) << 8) | ((b & 0x7F) << 7)``, which is its value times ``2**-8``
   (normals and subnormals alike), hence ``adj = 2**8``. Every conversion is exact, so the
   kernel sees exactly ``kv_quant.dequantize_rows``' values, up to where the scale multiplies.
+* ``int4``: codes ``[B, H_kv, D/2]`` (element ``2j`` in the low nibble of byte ``j``), then per
+  row and group of 32 channels an fp16 scale and minimum. A lane's 8 elements are 4 code
+  bytes inside one group, read from one 8-byte load of its pair of lanes; its group's
+  (scale, min) from one 8-byte load of two groups' pairs. ``unpack8`` applies them
+  (``code * scale + min``, which a GPU may fuse into one FMA; the simulator rounds twice, as
+  the reference does), so ``scale`` is 1. A nibble becomes a float through the bits ``0x4B000000 |
+  c`` less ``2**23``.
 """
 from __future__ import annotations
 
@@ -38,12 +45,12 @@ from types import SimpleNamespace
 
 from numba import cuda, float32, int32, int64, uint32
 
-from kvpage.core.kv_formats import KVFormat
+from kvpage.core.kv_formats import KVFormat, int4_group
 
 from .fast_intrinsics import device_helpers
 
-#: 8-bit formats the fast kernel reads, and the power of two folded into q and the output.
-QUANT_ADJ = {"int8": 1.0, "fp8_e4m3": 256.0, "fp8_e5m2": 1.0}
+#: Quantized formats the fast kernel reads, and the power of two folded into q and the output.
+QUANT_ADJ = {"int8": 1.0, "fp8_e4m3": 256.0, "fp8_e5m2": 1.0, "int4": 1.0}
 #: ``2**23 + 128``: an int8 code ``c`` sits in an fp32 ``2**23 + (c ^ 0x80)``.
 _INT8_MAGIC = 8388736.0
 # prmt selectors: bytes of ``a`` are 0..3, of ``b`` 4..7; nibble i picks result byte i.
@@ -111,13 +118,65 @@ def _unpack_fp8(h, e4m3: bool):
     return unpack8
 
 
+def _unpack_int4(h):
+    half_to_f32, as_f32 = h.half_to_f32, h.u32_as_f32
+
+    @cuda.jit(device=True, inline=True)
+    def unpack8(w0, w1, w2, w3, out8):
+        """w0: the slice's 8 nibbles (element k in bits 4k..4k+3); w1: its group's fp16 scale
+        (low half) and minimum (high half). Values ``code * scale + min``."""
+        scale = half_to_f32(w1)
+        low = half_to_f32(uint32(w1) >> uint32(16))
+        for k in range(8):
+            code = as_f32(uint32(0x4B000000) | ((uint32(w0) >> uint32(4 * k)) & uint32(15))) - float32(8388608.0)
+            out8[k] = code * scale + low
+
+    return unpack8
+
+
 @cuda.jit(device=True, inline=True)
 def _pow2_bits(e):
     """The fp32 bits of ``2**e`` for a signed exponent ``e`` in [-127, 127]."""
     return uint32((e + int32(127)) << int32(23)) if e > int32(-127) else uint32(0x00400000)
 
 
+def _int4_reader(head_dim: int, simulate: bool) -> SimpleNamespace:
+    fmt = KVFormat("int4")
+    h = device_helpers(False, simulate)
+    ld_v2 = h.ld_v2
+    CB, SB, ROW = fmt.code_bytes(head_dim), fmt.scale_bytes(head_dim), fmt.row_bytes(head_dim)
+    PARTS_PER_GROUP = int4_group(head_dim) // 8
+
+    @cuda.jit(device=True, inline=True)
+    def heads_of(cache):
+        return int64(cuda.gridDim.y)
+
+    @cuda.jit(device=True, inline=True)
+    def block_size(cache, heads):
+        return int32(cache.shape[1] // (heads * ROW))
+
+    @cuda.jit(device=True, inline=True)
+    def load(cache, page, off, kvh, heads, bs, part):
+        # 8-byte loads: the two slices' codes around this lane's 4 bytes, and the (scale, min)
+        # pairs of two groups around its own (rows of D / 2 and D / 8 bytes: 8-byte aligned)
+        base = int64(page) * int64(cache.shape[1])
+        row = int64(off) * heads + kvh
+        c0, c1 = ld_v2(cache, base + row * CB + (part >> 1) * 8)
+        group = part // int32(PARTS_PER_GROUP)
+        s0, s1 = ld_v2(cache, base + int64(bs) * heads * CB + row * SB + (group >> 1) * 8)
+        return (c1 if part & 1 else c0), (s1 if group & 1 else s0), uint32(0), uint32(0), uint32(0)
+
+    @cuda.jit(device=True, inline=True)
+    def scale(sraw):
+        return float32(1.0)  # the group scales are applied in unpack8
+
+    return SimpleNamespace(heads=heads_of, block_size=block_size, load=load, unpack8=_unpack_int4(h), scale=scale,
+                           k_adj=1.0, v_adj=1.0)
+
+
 def _codes_reader(name: str, head_dim: int, simulate: bool) -> SimpleNamespace:
+    if name == "int4":
+        return _int4_reader(head_dim, simulate)
     fmt = KVFormat(name)
     h = device_helpers(False, simulate)
     ld_v2, ld_scale = h.ld_v2, (h.ld_u16 if name == "int8" else h.ld_u8)

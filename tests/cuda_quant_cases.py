@@ -32,7 +32,7 @@ import numpy as np
 
 FORMATS = ("fp8_e4m3", "fp8_e5m2", "int8", "int4")
 #: The formats the fast decode kernel reads.
-FAST_FORMATS = ("int8", "fp8_e4m3", "fp8_e5m2")
+FAST_FORMATS = ("int8", "fp8_e4m3", "fp8_e5m2", "int4")
 TOL = {np.float32: dict(rtol=1e-5, atol=1e-5), np.float16: dict(rtol=2e-3, atol=1e-3)}
 THREADS = 16
 
@@ -231,8 +231,13 @@ def _code_block(name: str, head_dim: int, block_size: int) -> tuple:
     from kvpage.core.kv_formats import KVFormat
 
     fmt = KVFormat(name)
-    codes = ((np.arange(head_dim)[None, :] + 97 * np.arange(block_size)[:, None]) % 256).astype(np.uint8)
-    if name == "int8":  # fp16 scales: subnormal, smallest normal, 1, largest, zero, ordinary
+    codes = ((np.arange(fmt.code_bytes(head_dim))[None, :] + 97 * np.arange(block_size)[:, None]) % 256)
+    codes = codes.astype(np.uint8)
+    if name == "int4":  # (scale, min) fp16 pairs per group: subnormal, tiny, 1, large, zero, negative
+        pool = np.array([0x0001, 0x0400, 0x3C00, 0x7BFF, 0x0000, 0xBC00, 0x2E66, 0xC500, 0x1234, 0x5A00], np.uint16)
+        count = block_size * fmt.scale_bytes(head_dim) // 2
+        scales = pool[(np.arange(count) * 7) % len(pool)].view(np.uint8).reshape(block_size, -1)
+    elif name == "int8":  # fp16 scales: subnormal, smallest normal, 1, largest, zero, ordinary
         bits = np.resize(np.array([0x0001, 0x03FF, 0x0400, 0x3C00, 0x7BFF, 0x0000, 0x2E66, 0x1234], np.uint16),
                          block_size)
         scales = bits.view(np.uint8).reshape(block_size, 2)
@@ -249,7 +254,8 @@ def check_code_values(name: str, head_dim: int = 64, block_size: int = 8) -> str
     permutes, bit patterns) in a simulator kernel, one lane per 8 elements as in the decode
     kernel: every code byte times every scale must be ``dequantize_rows``' value, bit for bit
     (each is exact up to one rounding of the product, the same one ``np.ldexp``/the multiply
-    makes). Codes the encoder never writes (fp8 NaN/inf) are skipped."""
+    makes; int4's ``code * scale + min`` rounds twice, as the reference). Codes the encoder
+    never writes (fp8 NaN/inf) are skipped."""
     from numba import cuda as numba_cuda, float32
 
     from kvpage.core.kv_formats import KVFormat
@@ -284,7 +290,7 @@ def check_code_values(name: str, head_dim: int = 64, block_size: int = 8) -> str
     assert ok.sum() >= block_size * head_dim * 0.9
     bad = np.argwhere(out[ok].view(np.uint32) != want[ok].view(np.uint32))
     assert bad.size == 0, f"{len(bad)} values differ, e.g. {out[ok][bad[:3, 0]]} vs {want[ok][bad[:3, 0]]}"
-    return f"exact ({int(ok.sum())} values, {len(np.unique(codes[ok]))} codes)"
+    return f"exact ({int(ok.sum())} values, {len(np.unique(codes))} code bytes)"
 
 
 EDGE_LENS = [1, 3, 4, 5, 14]
@@ -328,6 +334,12 @@ CASES.update({
         "fp8_e5m2", [(1, 45), (1, 17)], 8, 1, 64, np.float16, block_size=16, seed=8, spread=2.0, num_splits=1, **FAST),
     "fast_int8_g1_d128_mixed_spread": lambda: check_attention(
         "int8", [(1, 40), (1, 5), (3, 9)], 1, 1, 128, np.float16, seed=9, spread=1.5, kv_tile=4, **FAST),
+    "fast_int4_g1_d128_splitk_window": lambda: check_attention(
+        "int4", [(1, 40), (1, 7)], 2, 2, 128, np.float16, block_size=8, seed=10, sliding_window=25, num_splits=2,
+        **FAST),
+    "fast_codes_int4_d128": lambda: check_code_values("int4", head_dim=128),
+    "fast_int4_g4_d64_mixed": lambda: check_attention(
+        "int4", [(1, 33), (2, 6), (1, 4)], 8, 2, 64, np.float16, seed=11, spread=1.5, **FAST),
 })
 
 

@@ -71,14 +71,15 @@ def test_register_budgets() -> None:
 
 @pytest.mark.parametrize("group", sorted(FAST_BLOCKS_PER_SM))
 def test_8bit_steps_keep_loads_in_flight(group: int) -> None:
-    """An 8-bit row slice is half a 16-bit one (8 bytes, plus its scale): its variants take at
-    least as many steps per iteration, so no fewer rows (at most as many bytes) are in flight."""
+    """An 8-bit row slice is half a 16-bit one (8 bytes, plus its scale), an int4 one a quarter:
+    their variants take at least as many steps per iteration, so no fewer rows (at most as
+    many bytes) are in flight."""
     from kvpage.cuda.fast_launch import FAST_QUANT_DTYPES, fast_supported, fast_unroll
 
     for dt in FAST_QUANT_DTYPES:
         assert fast_supported(128, group, dt) and fast_supported(64, group, dt)
         assert fast_unroll(group, "fp16") <= fast_unroll(group, dt) <= 2 * fast_unroll(group, "fp16")
-    assert not fast_supported(128, group, "int4")
+    assert "int4" in FAST_QUANT_DTYPES and not fast_supported(128, group, "int2")
 
 
 # --- Simulator: the kernel itself on tiny batches (this file as a script) ---

@@ -33,9 +33,9 @@ REFERENCE = {f"{kind}_{dt}" for dt in ("fp16", "fp32") for kind in (
     "decode_g16_d256", "merge_d128", "store_kv")}
 #: (head_dim, group, kv_dtype): ``ptx_check --fast`` shows the rest, within a few registers of these.
 FAST_SHAPES = [(64, 1, "fp16"), (128, 4, "fp16"), (128, 8, "bf16"), (128, 1, "int8"), (128, 8, "int8"),
-               (64, 1, "fp8_e4m3"), (128, 8, "fp8_e4m3"), (64, 4, "fp8_e5m2")]
+               (64, 1, "fp8_e4m3"), (128, 8, "fp8_e4m3"), (64, 4, "fp8_e5m2"), (64, 1, "int4"), (128, 8, "int4")]
 FAST = {f"fast_decode_d{d}_g{g}_{dt}" for d, g, dt in FAST_SHAPES}
-#: The width in bits of each 8-bit format's row scale.
+#: The width in bits of each 8-bit format's row scale (int4's group scales come in 8-byte loads).
 SCALE_BITS = {"int8": "16", "fp8_e4m3": "8", "fp8_e5m2": "8"}
 
 
@@ -72,7 +72,11 @@ def test_fast_variant_loads_and_resources(ptx_results: dict, name: str) -> None:
     row = ptx_results[name]
     assert row["fast"]
     loads, steps = row["global_loads"], row["unroll"]  # steps: key rows a lane loads per iteration
-    if row["kv_dtype"] in FAST_QUANT_DTYPES:
+    if row["kv_dtype"] == "int4":
+        assert loads.get("128", 0) >= row["group"], loads  # q
+        assert loads.get("64", 0) >= 4 * steps, loads  # 8-byte K and V code and scale loads per key row
+        assert not {"8", "16"} & set(loads), f"narrow loads besides metadata: {loads}"
+    elif row["kv_dtype"] in FAST_QUANT_DTYPES:
         scale = SCALE_BITS[row["kv_dtype"]]
         assert loads.get("128", 0) >= row["group"], loads  # q
         assert loads.get("64", 0) >= 2 * steps, loads  # one 8-byte K and V code load per key row

@@ -103,7 +103,7 @@ def _decode_choice(name: str, mode: str, q_dtype=np.float16, head_dim: int = 128
 
 
 @pytest.mark.parametrize("name", CASES.FAST_FORMATS)
-def test_auto_picks_the_fast_kernel_for_8bit_caches(name: str) -> None:
+def test_auto_picks_the_fast_kernel_for_quantized_caches(name: str) -> None:
     from kvpage.cuda.interop import simulator_enabled
 
     if simulator_enabled():
@@ -117,7 +117,7 @@ def test_auto_picks_the_fast_kernel_for_8bit_caches(name: str) -> None:
 
 
 @pytest.mark.parametrize("name,over,match", [
-    ("int4", {}, "no fast variant for kv_cache_dtype int4"),
+    ("int4", dict(q_dtype=np.float32), "q must be float16 for the fast kernel over int4 caches"),
     ("int8", dict(q_dtype=np.float32), "q must be float16 for the fast kernel over int8 caches"),
     ("fp8_e4m3", dict(head_dim=96), "no fast variant for head_dim 96"),
     ("fp8_e5m2", dict(group=2), "group 2"),
