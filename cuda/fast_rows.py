@@ -140,12 +140,10 @@ def _pow2_bits(e):
     return uint32((e + int32(127)) << int32(23)) if e > int32(-127) else uint32(0x00400000)
 
 
-def _int4_reader(head_dim: int, simulate: bool) -> SimpleNamespace:
-    fmt = KVFormat("int4")
-    h = device_helpers(False, simulate)
-    ld_v2 = h.ld_v2
-    CB, SB, ROW = fmt.code_bytes(head_dim), fmt.scale_bytes(head_dim), fmt.row_bytes(head_dim)
-    PARTS_PER_GROUP = int4_group(head_dim) // 8
+def _quant_geometry(row_bytes: int) -> tuple:
+    """``heads(cache)`` and ``block_size(cache, heads)`` of a quantized layer buffer whose
+    (token, head) rows take ``row_bytes`` (the buffer does not say its heads: the launch
+    grid's y extent does)."""
 
     @cuda.jit(device=True, inline=True)
     def heads_of(cache):
@@ -153,7 +151,18 @@ def _int4_reader(head_dim: int, simulate: bool) -> SimpleNamespace:
 
     @cuda.jit(device=True, inline=True)
     def block_size(cache, heads):
-        return int32(cache.shape[1] // (heads * ROW))
+        return int32(cache.shape[1] // (heads * row_bytes))
+
+    return heads_of, block_size
+
+
+def _int4_reader(head_dim: int, simulate: bool) -> SimpleNamespace:
+    fmt = KVFormat("int4")
+    h = device_helpers(False, simulate)
+    ld_v2 = h.ld_v2
+    CB, SB, ROW = fmt.code_bytes(head_dim), fmt.scale_bytes(head_dim), fmt.row_bytes(head_dim)
+    PARTS_PER_GROUP = int4_group(head_dim) // 8
+    heads_of, block_size = _quant_geometry(ROW)
 
     @cuda.jit(device=True, inline=True)
     def load(cache, page, off, kvh, heads, bs, part):
@@ -184,14 +193,7 @@ def _codes_reader(name: str, head_dim: int, simulate: bool) -> SimpleNamespace:
     D, SB = head_dim, fmt.scale_bytes(head_dim)
     ROW = fmt.row_bytes(head_dim)
     is_int8 = name == "int8"
-
-    @cuda.jit(device=True, inline=True)
-    def heads_of(cache):
-        return int64(cuda.gridDim.y)
-
-    @cuda.jit(device=True, inline=True)
-    def block_size(cache, heads):
-        return int32(cache.shape[1] // (heads * ROW))
+    heads_of, block_size = _quant_geometry(ROW)
 
     @cuda.jit(device=True, inline=True)
     def load(cache, page, off, kvh, heads, bs, part):

@@ -103,50 +103,50 @@ inline void int4_errors(const Int4Sums<W>& q, int64_t* out) {
 
 // Double-precision halves of W int32 lanes (AVX-512: 2 x 8, AVX2: 2 x 4), and back to fp32.
 template <int W>
-struct Halves;
-template <>
-struct Halves<16> {
-  using D = __m512d;
-  static D lo(__m512i x) { return _mm512_cvtepi32_pd(_mm512_castsi512_si256(x)); }
-  static D hi(__m512i x) { return _mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(x, 1)); }
-  static D set(double v) { return _mm512_set1_pd(v); }
-  static D sub(D a, D b) { return _mm512_sub_pd(a, b); }
-  static D mul(D a, D b) { return _mm512_mul_pd(a, b); }
-  static __m512 join(D a, D b) {  // fp32 of each lane, correctly rounded
+using Doubles = std::conditional_t<W == 16, __m512d, __m256d>;
+template <int W>
+inline Doubles<W> dhalf(RegI<W> x, int h) {
+  if constexpr (W == 16) return _mm512_cvtepi32_pd(h ? _mm512_extracti64x4_epi64(x, 1) : _mm512_castsi512_si256(x));
+  else return _mm256_cvtepi32_pd(h ? _mm256_extracti128_si256(x, 1) : _mm256_castsi256_si128(x));
+}
+template <int W>
+inline Doubles<W> dset(double v) { if constexpr (W == 16) return _mm512_set1_pd(v); else return _mm256_set1_pd(v); }
+template <int W>
+inline Doubles<W> dsub(Doubles<W> a, Doubles<W> b) {
+  if constexpr (W == 16) return _mm512_sub_pd(a, b); else return _mm256_sub_pd(a, b);
+}
+template <int W>
+inline Doubles<W> dmul(Doubles<W> a, Doubles<W> b) {
+  if constexpr (W == 16) return _mm512_mul_pd(a, b); else return _mm256_mul_pd(a, b);
+}
+// fp32 of each lane of two halves, correctly rounded, as one register.
+template <int W>
+inline RegF<W> djoin(Doubles<W> a, Doubles<W> b) {
+  if constexpr (W == 16) {
     return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(_mm512_cvtpd_ps(a))),
                                                _mm256_castps_pd(_mm512_cvtpd_ps(b)), 1));
+  } else {
+    return _mm256_set_m128(_mm256_cvtpd_ps(b), _mm256_cvtpd_ps(a));
   }
-};
-template <>
-struct Halves<8> {
-  using D = __m256d;
-  static D lo(__m256i x) { return _mm256_cvtepi32_pd(_mm256_castsi256_si128(x)); }
-  static D hi(__m256i x) { return _mm256_cvtepi32_pd(_mm256_extracti128_si256(x, 1)); }
-  static D set(double v) { return _mm256_set1_pd(v); }
-  static D sub(D a, D b) { return _mm256_sub_pd(a, b); }
-  static D mul(D a, D b) { return _mm256_mul_pd(a, b); }
-  static __m256 join(D a, D b) { return _mm256_set_m128(_mm256_cvtpd_ps(b), _mm256_cvtpd_ps(a)); }
-};
+}
 
 // fp32(16 num) / fp32(den) and fp32(16 P) / fp32(n den) of each lane's fit (below), rounded
 // half to even; ok: den > 0 and num > 0. Every product and difference is an integer below
 // 2^53, exact in double, so its fp32 is the reference's conversion of the int64.
 template <int W>
 inline void int4_quotients(const Int4Sums<W>& q, RegI<W> ST, int64_t n, RegF<W>* fs, RegF<W>* fm, RegF<W>* ok) {
-  using H = Halves<W>;
-  const typename H::D dn = H::set(static_cast<double>(n)), sixteen = H::set(16.0);
-  typename H::D num[2], den[2], p[2], nden[2];
+  const Doubles<W> dn = dset<W>(static_cast<double>(n)), sixteen = dset<W>(16.0);
+  Doubles<W> num[2], den[2], p[2], nden[2];
   for (int h = 0; h < 2; ++h) {
-    const auto l = h ? H::hi(q.l) : H::lo(q.l), ll = h ? H::hi(q.ll) : H::lo(q.ll);
-    const auto lt = h ? H::hi(q.lt) : H::lo(q.lt), st = h ? H::hi(ST) : H::lo(ST);
-    den[h] = H::sub(H::mul(dn, ll), H::mul(l, l));
-    num[h] = H::sub(H::mul(dn, lt), H::mul(l, st));
-    p[h] = H::mul(sixteen, H::sub(H::mul(st, den[h]), H::mul(num[h], l)));
-    nden[h] = H::mul(dn, den[h]);
-    num[h] = H::mul(sixteen, num[h]);
+    const Doubles<W> l = dhalf<W>(q.l, h), ll = dhalf<W>(q.ll, h), lt = dhalf<W>(q.lt, h), st = dhalf<W>(ST, h);
+    den[h] = dsub<W>(dmul<W>(dn, ll), dmul<W>(l, l));
+    num[h] = dsub<W>(dmul<W>(dn, lt), dmul<W>(l, st));
+    p[h] = dmul<W>(sixteen, dsub<W>(dmul<W>(st, den[h]), dmul<W>(num[h], l)));
+    nden[h] = dmul<W>(dn, den[h]);
+    num[h] = dmul<W>(sixteen, num[h]);
   }
-  const RegF<W> fnum = H::join(num[0], num[1]), fden = H::join(den[0], den[1]);
-  const RegF<W> fp = H::join(p[0], p[1]), fnden = H::join(nden[0], nden[1]);
+  const RegF<W> fnum = djoin<W>(num[0], num[1]), fden = djoin<W>(den[0], den[1]);
+  const RegF<W> fp = djoin<W>(p[0], p[1]), fnden = djoin<W>(nden[0], nden[1]);
   // ok as 1.0 / 0.0 lanes; a lane not ok divides by 1 and is dropped by the caller
   if constexpr (W == 16) {
     const __mmask16 good = _mm512_cmp_ps_mask(fden, _mm512_setzero_ps(), _CMP_GT_OQ) &
