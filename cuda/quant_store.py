@@ -72,9 +72,8 @@ def _int4_grid(group: int):
     """``grid(x, t, h, g0, lo, hi)``: ``(low, scale)`` before their float16 rounding for the
     group of ``x[t, h, g0:g0 + group]`` (min ``lo``, max ``hi``): ``kv_quant.int4_ranges``,
     integer sums and one float32 operation at a time (no ``a * b + c``, which the GPU may fuse)."""
-    G, UNIT = group, 1 << 16
+    G, UNIT, PLAIN_S = group, kv_quant.INT4_UNIT, kv_quant.INT4_PLAIN_STEP
     STARTS, FITS = kv_quant.INT4_STARTS, kv_quant.INT4_FITS
-    PLAIN_S = (32 * UNIT + 15) // 30
 
     @cuda.jit(device=True, inline=True)
     def fit_codes(sixteen, S, M, l):

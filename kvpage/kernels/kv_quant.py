@@ -77,7 +77,10 @@ def _quantize_int8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 #: for these ``c`` (the range cut in 14 to 16 steps), and the fits made from each.
 INT4_STARTS = (29, 30, 31)
 INT4_FITS = 2
-_UNIT = 1 << 16  # T: a value's place in its group's [min, max], in 1/65536ths
+#: T's unit: a value's place in its group's [min, max], in 1/65536ths.
+INT4_UNIT = 1 << 16
+#: The plain grid's step in the fits' units (1/16 of T's): round(16 * 2**16 / 15).
+INT4_PLAIN_STEP = (32 * INT4_UNIT + 15) // 30
 
 
 def int4_ranges(grouped: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -109,10 +112,10 @@ def int4_ranges(grouped: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     largest = grouped.max(axis=-1, keepdims=True) + np.float32(0)
     span = largest - smallest
     with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
-        inverse = np.float32(16 * _UNIT) / span
+        inverse = np.float32(16 * INT4_UNIT) / span
         fits = (span > 0) & np.isfinite(span) & np.isfinite(inverse)
         safe_span = np.where(fits, span, np.float32(1))
-        place = np.where(fits, np.rint((grouped - smallest) * (np.float32(_UNIT) / safe_span)), 0).astype(np.int64)
+        place = np.where(fits, np.rint((grouped - smallest) * (np.float32(INT4_UNIT) / safe_span)), 0).astype(np.int64)
     sixteen = 16 * place
     as_float = sixteen.astype(np.float32)  # exact: below 2**21
 
@@ -124,13 +127,13 @@ def int4_ranges(grouped: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         e = sixteen - M - l * S
         return (e * e).sum(axis=-1, keepdims=True)
 
-    best_S = np.full(smallest.shape, (32 * _UNIT + 15) // 30, dtype=np.int64)  # the plain grid: 16 * 2**16 / 15
+    best_S = np.full(smallest.shape, INT4_PLAIN_STEP, dtype=np.int64)  # the plain grid
     best_M = np.zeros(smallest.shape, dtype=np.int64)
     best = error(best_S, best_M, codes(best_S, best_M))
     refined = np.zeros(smallest.shape, dtype=bool)
     ST = place.sum(axis=-1, keepdims=True)
     for start in INT4_STARTS:
-        l = np.clip(np.rint(place.astype(np.float32) * np.float32(start) / np.float32(2 * _UNIT)), 0, 15)
+        l = np.clip(np.rint(place.astype(np.float32) * np.float32(start) / np.float32(2 * INT4_UNIT)), 0, 15)
         l = l.astype(np.int64)
         valid = fits.copy()
         for _ in range(INT4_FITS):

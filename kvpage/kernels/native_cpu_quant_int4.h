@@ -13,8 +13,7 @@ namespace {
 
 constexpr int kInt4Starts[] = {29, 30, 31};  // kv_quant.INT4_STARTS
 constexpr int kInt4Fits = 2;                 // kv_quant.INT4_FITS
-constexpr int kInt4NumStarts = sizeof(kInt4Starts) / sizeof(kInt4Starts[0]);
-constexpr int32_t kInt4PlainS = (32 * 65536 + 15) / 30;  // the plain grid's step: round(16 * 2^16 / 15)
+constexpr int32_t kInt4PlainS = (32 * 65536 + 15) / 30;  // kv_quant.INT4_PLAIN_STEP
 
 template <int W>
 inline RegI<W> isplat(int32_t v) { if constexpr (W == 16) return _mm512_set1_epi32(v); else return _mm256_set1_epi32(v); }
@@ -276,17 +275,19 @@ void quantize_rows_int4(uint8_t* cache, const QuantLayout& L, const void* rows, 
   const int64_t G = L.group, per_row = L.head_dim / G, per_token = L.heads * per_row;
   const int64_t total = n * per_token, batches = (total + W - 1) / W;
   const int64_t work = n * L.heads * L.head_dim;
+  struct Place {
+    int64_t t, h, g;  // token, head, group within the head
+  };
+  const auto place_of = [&](int64_t index) { return Place{index / per_token, index % per_token / per_row, index % per_row}; };
 #pragma omp parallel for schedule(static) if (work >= (1 << 14))
   for (int64_t batch = 0; batch < batches; ++batch) {
     alignas(64) float vals[W * 16 * kMaxChunks], smallest[W], largest[W], low[W], scale[W];
-    int64_t source[W];
     for (int j = 0; j < W; ++j) {
-      const int64_t index = std::min(batch * W + j, total - 1);  // lanes past the end repeat the last group
-      const int64_t t = index / per_token, h = index % per_token / per_row, g = index % per_row;
-      source[j] = t * stride_token + h * stride_head + g * G;
+      const Place p = place_of(std::min(batch * W + j, total - 1));  // lanes past the end repeat the last group
+      const int64_t source = p.t * stride_token + p.h * stride_head + p.g * G;
       Vec mn = splat<W>(std::numeric_limits<float>::infinity()), mx = splat<W>(-std::numeric_limits<float>::infinity());
       for (int64_t c = 0; c < G; c += W) {
-        const Vec x = load_lanes<W, R>(rows, source[j] + c);
+        const Vec x = load_lanes<W, R>(rows, source + c);
         vstore(vals + j * G + c, x);
         mn = vmin(mn, x);
         mx = vmax(mx, x);
@@ -298,10 +299,9 @@ void quantize_rows_int4(uint8_t* cache, const QuantLayout& L, const void* rows, 
     }
     int4_grids<W>(vals, G, smallest, largest, low, scale);
     for (int j = 0; j < W && batch * W + j < total; ++j) {
-      const int64_t index = batch * W + j;
-      const int64_t t = index / per_token, h = index % per_token / per_row, g = index % per_row;
-      uint8_t* codes = cache + L.codes_of(slots[t]) + h * L.code_bytes + g * G / 2;
-      uint8_t* scales = cache + L.scales_of(slots[t]) + h * L.scale_bytes + 4 * g;
+      const Place p = place_of(batch * W + j);
+      uint8_t* codes = cache + L.codes_of(slots[p.t]) + p.h * L.code_bytes + p.g * G / 2;
+      uint8_t* scales = cache + L.scales_of(slots[p.t]) + p.h * L.scale_bytes + 4 * p.g;
       const uint16_t low_half = _cvtss_sh(low[j], _MM_FROUND_TO_NEAREST_INT);
       const uint16_t scale_half = _cvtss_sh(scale[j], _MM_FROUND_TO_NEAREST_INT);
       std::memcpy(scales, &scale_half, 2);
